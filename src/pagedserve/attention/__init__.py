@@ -1,0 +1,1 @@
+"""Paged attention backends: write new K/V into the block cache, attend over block tables."""

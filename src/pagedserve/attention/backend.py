@@ -1,0 +1,64 @@
+"""The attention backend interface and the reference implementation.
+
+A KV cache for one layer is a tensor [2, num_blocks, block_size, num_kv_heads,
+head_dim] (K at index 0, V at index 1).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from .metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        """Store k/v at meta.slot_mapping, then attend over each sequence's context."""
+        ...
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's K/V rows into their cache slots."""
+    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
+
+
+class ReferenceBackend:
+    """Obviously-correct attention, one sequence at a time. Used by tests as the oracle
+    for faster backends; never on the hot path."""
+
+    name = "reference"
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        group = num_heads // kv_cache.shape[-2]
+        out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype)
+        starts = meta.query_start_loc.tolist()
+        for i, (qlen, slen) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            nblocks = -(-slen // meta.block_size)
+            blocks = meta.block_tables[i, :nblocks]
+            keys = kv_cache[0, blocks].reshape(-1, *kv_cache.shape[-2:])[:slen]
+            vals = kv_cache[1, blocks].reshape(-1, *kv_cache.shape[-2:])[:slen]
+            keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, slen, D]
+            vals = vals.repeat_interleave(group, dim=1).transpose(0, 1)
+            qs = q[starts[i] : starts[i] + qlen].transpose(0, 1)  # [H, qlen, D]
+            scores = qs @ keys.transpose(1, 2) * scale  # [H, qlen, slen]
+            q_pos = torch.arange(slen - qlen, slen).unsqueeze(1)
+            k_pos = torch.arange(slen).unsqueeze(0)
+            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[starts[i] : starts[i] + qlen] = (probs @ vals).transpose(0, 1).reshape(qlen, -1)
+        return out

@@ -1,0 +1,1 @@
+"""Model definition, weight loading, tokenizer and chat template."""
