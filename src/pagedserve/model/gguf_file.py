@@ -51,7 +51,8 @@ class GGUFTensor:
                 + ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
             )
         out = dequantize(self.raw, self.qtype)
-        return np.ascontiguousarray(out.reshape(self.shape), dtype=np.float32)
+        # A copy: F32 tensors would otherwise alias the read-only memory map.
+        return np.array(out.reshape(self.shape), dtype=np.float32)
 
 
 class GGUFFile:

@@ -1,0 +1,158 @@
+"""Render a model's Jinja chat template the way Hugging Face transformers does.
+
+The template is code shipped with the model (or a server-side file); it runs in
+jinja2's immutable sandbox and is never taken from a request.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson HTML-escapes '<', '>' and '&', which would corrupt tool schemas.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GuardedNamespace(Namespace):
+    """`namespace()` that refuses underscore names, so a template cannot plant dunders."""
+
+    def __init__(*args: Any, **kwargs: Any):  # noqa: N805 - Namespace's own signature trick
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _GuardedNamespace._check(name)
+        Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _GuardedNamespace._check(name)
+        Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates may not set namespace attribute {name!r}")
+
+
+class _GenerationBlock(Extension):
+    """Accept HF's ``{% generation %}...{% endgeneration %}`` (it marks assistant
+    spans for training masks); serving only needs the text inside."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _GuardedNamespace
+    return env
+
+
+def _message_text(content: Any, index: int) -> Any:
+    """OpenAI content parts -> one string; a string (or None) passes through."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"messages[{index}].content must be a string, null or a list of parts")
+    texts = []
+    for part in content:
+        if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            raise ValueError(f"messages[{index}].content parts must be {{'type': 'text', 'text': str}}, got {kind!r}")
+        texts.append(part["text"])
+    # Newline between parts, as vLLM joins them for text-only templates.
+    return "\n".join(texts)
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of `messages` with list contents joined; every other key passes through."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': str, 'content': ...} dicts")
+    out = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{index}] must be a dict with a string 'role'")
+        copy = dict(message)
+        if "content" in copy:
+            copy["content"] = _message_text(copy["content"], index)
+        out.append(copy)
+    return out
+
+
+class ChatTemplate:
+    """One compiled chat template; `render` is safe to call from any thread."""
+
+    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None):
+        if not isinstance(source, str) or not source.strip():
+            raise ValueError("chat template source must be a non-empty string")
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.exceptions.TemplateSyntaxError as exc:
+            raise ValueError(f"chat template does not compile: {exc} (line {exc.lineno})") from exc
+        # bos_token, eos_token, ... as the template sees them (HF passes these too).
+        self._special_tokens = dict(special_tokens or {})
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """The prompt text for `messages`; a template's `raise_exception` surfaces as ValueError."""
+        if tools is not None and not all(isinstance(tool, Mapping) for tool in tools):
+            raise ValueError("tools must be a list of JSON-schema dicts")
+        context = {
+            **self._special_tokens,
+            **template_kwargs,
+            "messages": normalize_messages(messages),
+            "tools": list(tools) if tools is not None else None,
+            "documents": list(documents) if documents is not None else None,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        try:
+            return self._template.render(**context)
+        except jinja2.exceptions.TemplateError as exc:
+            raise ValueError(f"chat template rejected the conversation: {exc}") from exc
+
+
+def read_chat_template_file(path: str | Path) -> str:
+    """A server-side chat template: a .jinja file, or a JSON file with a `chat_template` key."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"chat_template_path {str(path)!r} is not a file")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        template = json.loads(text).get("chat_template")
+        if not isinstance(template, str):
+            raise ValueError(f"chat_template_path {str(path)!r} has no string 'chat_template' key")
+        return template
+    return text

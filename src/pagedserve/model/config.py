@@ -1,0 +1,112 @@
+"""Architecture hyper-parameters of a Llama-family model, from GGUF metadata or config.json.
+
+One config (and one model file) covers Llama, Mistral, Qwen2 and Qwen3: they differ
+only in flags (q/k/v bias, q/k RMSNorm, RoPE scaling, tied head).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Architectures this engine runs, keyed by GGUF `general.architecture` / HF `model_type`.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before RoPE
+    # HF `rope_scaling` (llama3 type supported). A llama3 GGUF carries the same
+    # information as a `rope_freqs` tensor of per-dimension divisors instead.
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {self.architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def num_params(self) -> int:
+        """Parameters touched per token (the tied embedding counted once, as the head)."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size
+        return self.num_layers * per_layer + self.vocab_size * h
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> "ModelConfig":
+        arch = str(meta["general.architecture"])
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+
+        def get(key: str, default: Any = None) -> Any:
+            return meta.get(f"{arch}.{key}", default)
+
+        hidden = int(get("embedding_length"))
+        num_heads = int(get("attention.head_count"))
+        vocab = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
+        return cls(
+            architecture=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+            head_dim=int(get("attention.key_length", hidden // num_heads)),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            max_position_embeddings=int(get("context_length", 4096)),
+            # Tied when the file has no separate output matrix; the loader decides.
+            tie_word_embeddings=False,
+            attention_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
+        )
+
+    @classmethod
+    def from_hf_config(cls, path: str | Path) -> "ModelConfig":
+        cfg = json.loads(Path(path).read_text())
+        arch = cfg.get("model_type", "")
+        hidden = int(cfg["hidden_size"])
+        num_heads = int(cfg["num_attention_heads"])
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            qk_norm=arch == "qwen3",
+            rope_scaling=cfg.get("rope_scaling"),
+        )

@@ -1,0 +1,152 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) as one model with flags.
+
+The forward takes a flattened batch: the new tokens of every sequence of a step,
+laid end to end, with their positions. Attention goes through a backend object
+that reads and writes the paged KV cache; the model itself knows nothing about
+blocks. Logits are computed only for the rows asked for.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention.backend import AttentionBackend
+from ..attention.metadata import AttentionMetadata
+from .config import ModelConfig
+
+
+class RotaryEmbedding(nn.Module):
+    """HF-style RoPE (rotate halves), cos/sin tabulated once per position."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.theta = config.rope_theta
+        # Per-dimension divisors of the frequencies (llama3 scaling); loaded with the weights.
+        self.register_buffer("freq_divisors", torch.ones(config.head_dim // 2), persistent=False)
+        self._table: torch.Tensor | None = None
+        self._table_len = config.max_position_embeddings
+
+    def set_freq_divisors(self, divisors: torch.Tensor) -> None:
+        self.freq_divisors = divisors.float()
+        self._table = None
+
+    def _build(self, length: int) -> torch.Tensor:
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
+        inv_freq = 1.0 / (self.theta**exponent) / self.freq_divisors.double()
+        angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)
+        return torch.cat([angles.cos(), angles.sin()], dim=-1).float()  # [L, head_dim]
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for each position, shaped [T, 1, head_dim/2] to broadcast over heads."""
+        if self._table is None or (positions.numel() and int(positions.max()) >= self._table.shape[0]):
+            needed = int(positions.max()) + 1 if positions.numel() else 0
+            self._table = self._build(max(self._table_len, needed))
+        cs = self._table[positions].unsqueeze(1)
+        half = self.head_dim // 2
+        return cs[..., :half], cs[..., half:]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def _linear(n_in: int, n_out: int, bias: bool = False) -> nn.Linear:
+    return nn.Linear(n_in, n_out, bias=bias).requires_grad_(False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.q_size, self.kv_size = config.num_heads * d, config.num_kv_heads * d
+        self.scale = d**-0.5
+        self.attn_norm = RMSNorm(h, config.rms_norm_eps)
+        self.qkv = _linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.o = _linear(self.q_size, h)
+        self.ffn_norm = RMSNorm(h, config.rms_norm_eps)
+        self.gate_up = _linear(h, 2 * config.intermediate_size)
+        self.down = _linear(config.intermediate_size, h)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        t = hidden.shape[0]
+        qkv = self.qkv(self.attn_norm(hidden))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        attn = backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
+        hidden = hidden + self.o(attn)
+        gate, up = self.gate_up(self.ffn_norm(hidden)).chunk(2, dim=-1)
+        return hidden + self.down(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    """Build it under `torch.device("meta")` and call load_weights: no memory is
+    allocated or initialised for parameters that the checkpoint replaces."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size).requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else _linear(config.hidden_size, config.vocab_size)
+        with torch.device("cpu"):
+            self.rotary = RotaryEmbedding(config)
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Take a fused state dict (model/weights.py) without copying its tensors."""
+        state = dict(state)
+        divisors = state.pop("rope_freq_divisors", None)
+        if divisors is not None:
+            self.rotary.set_freq_divisors(divisors)
+        self.load_state_dict(state, strict=True, assign=True)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],  # one [2, num_blocks, block_size, num_kv_heads, head_dim] per layer
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        logits_indices: torch.Tensor,  # [R] rows of the flattened batch whose logits are wanted
+    ) -> torch.Tensor:  # [R, vocab]
+        hidden = self.embed(input_ids)
+        cos, sin = self.rotary.cos_sin(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, kv_cache, meta, backend)
+        hidden = hidden.index_select(0, logits_indices)
+        return F.linear(self.norm(hidden), self.head_weight)

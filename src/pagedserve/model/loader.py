@@ -1,0 +1,127 @@
+"""Resolve `--model` to files on disk and load the model fast.
+
+Accepted: None (the embedded SmolLM2-135M-Instruct GGUF), a `.gguf` file, or a
+Hugging Face folder (config.json + *.safetensors + tokenizer.json).
+
+Reading a GGUF costs seconds (the `gguf` reader parses the 49k-entry vocabulary
+element by element, then every tensor is dequantised), so the first load converts
+the file once into a cache folder keyed by the file's content hash: the fused
+float32 weights (memory-mapped back on later loads), the model config and the
+model's GGUF metadata without the vocabulary arrays.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import ModelConfig
+from .gguf_file import GGUFFile
+from .llama import LlamaModel
+from .registry import DEFAULT_MODEL_NAME, default_model_path
+from .weights import fuse_hf_tensors, hf_tensors_from_gguf, hf_tensors_from_safetensors
+
+logger = logging.getLogger(__name__)
+
+_CACHE_FORMAT = 1  # bump when the cached layout changes
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "gguf" or "hf"
+    path: Path
+    name: str  # what /v1/models and logs call it
+
+
+def resolve_model(model: str | os.PathLike | None) -> ModelSource:
+    if model is None or str(model) == "":
+        return ModelSource("gguf", default_model_path(), DEFAULT_MODEL_NAME)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource("gguf", path, path.stem)
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+            return ModelSource("hf", path, path.name)
+        if len(ggufs) == 1:
+            return ModelSource("gguf", ggufs[0], ggufs[0].stem)
+    raise FileNotFoundError(
+        f"model {str(model)!r} not found: looked for a .gguf file at {path}, or a folder with config.json and "
+        "*.safetensors (and tokenizer.json), or a folder holding exactly one .gguf file. "
+        "pagedserve never downloads models; omit --model to use the embedded SmolLM2-135M-Instruct."
+    )
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache" / "pagedserve"))
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()[:24]
+
+
+def _metadata_without_vocab(meta: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in meta.items() if not isinstance(v, list) or len(v) < 1024}
+
+
+@dataclass
+class ConvertedGGUF:
+    """What the engine needs from a GGUF, whether read now or from the cache."""
+
+    config: ModelConfig
+    state: dict[str, torch.Tensor]
+    metadata: dict[str, Any]  # GGUF metadata (vocabulary arrays only when read fresh)
+    cache_dir: Path
+    from_cache: bool
+
+
+def convert_gguf(path: Path, use_cache: bool = True) -> ConvertedGGUF:
+    cache_dir = cache_root() / f"v{_CACHE_FORMAT}-{file_digest(path)}"
+    weights_file, meta_file = cache_dir / "weights.pt", cache_dir / "model.json"
+    if use_cache and weights_file.is_file() and meta_file.is_file():
+        saved = json.loads(meta_file.read_text())
+        config = ModelConfig(**saved["config"])
+        state = torch.load(weights_file, mmap=True, weights_only=True)
+        return ConvertedGGUF(config, state, saved["metadata"], cache_dir, from_cache=True)
+
+    gguf = GGUFFile(path)
+    config = ModelConfig.from_gguf_metadata(gguf.metadata)
+    hf = hf_tensors_from_gguf(gguf, config)
+    config = dataclasses.replace(config, tie_word_embeddings="lm_head.weight" not in hf)
+    state = fuse_hf_tensors(hf, config)
+    if use_cache:
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            tmp = weights_file.with_suffix(".tmp")
+            torch.save(state, tmp)
+            os.replace(tmp, weights_file)
+            meta_file.write_text(
+                json.dumps({"config": config.to_dict(), "metadata": _metadata_without_vocab(gguf.metadata)})
+            )
+        except OSError as e:  # a read-only home must not stop the model from loading
+            logger.warning("could not write the model cache at %s: %s", cache_dir, e)
+    return ConvertedGGUF(config, state, gguf.metadata, cache_dir, from_cache=False)
+
+
+def build_model(config: ModelConfig, state: dict[str, torch.Tensor]) -> LlamaModel:
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    model.load_weights(state)
+    return model.eval()
+
+
+def load_hf_folder(path: Path) -> tuple[ModelConfig, LlamaModel]:
+    config = ModelConfig.from_hf_config(path / "config.json")
+    state = fuse_hf_tensors(hf_tensors_from_safetensors(path), config)
+    return config, build_model(config, state)

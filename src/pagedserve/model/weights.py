@@ -1,0 +1,137 @@
+"""Turn a checkpoint (GGUF or HF safetensors) into pagedserve's fused float32 state dict.
+
+Both sources are first mapped to Hugging Face parameter names and layout, then
+fused the way the model computes: q/k/v as one matrix, gate/up as one matrix, so a
+layer is three GEMMs (plus the output projection) instead of six.
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import ModelConfig
+from .gguf_file import GGUFFile
+
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs",
+}
+_GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def _hf_name_for_gguf(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    m = _GGUF_LAYER_RE.fullmatch(name)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def undo_llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter reorders each head's q/k rows so that RoPE rotates
+    interleaved pairs (x0,x1),(x2,x3)...; HF rotates halves (x0,x32),(x1,x33)...
+    Invert that row permutation so one RoPE serves GGUF and HF checkpoints."""
+    rows = w.shape[0]
+    head_dim = rows // num_heads
+    return (
+        w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(rows, *w.shape[1:])
+    )
+
+
+def hf_tensors_from_gguf(gguf: GGUFFile, config: ModelConfig) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    # Only llama-arch files are permuted by the converter (Qwen2/3 use HF's rotation already).
+    permuted = config.architecture in ("llama", "mistral")
+    for t in gguf.tensors():
+        name = _hf_name_for_gguf(t.name)
+        if name is None:
+            raise ValueError(f"unexpected tensor {t.name!r} in {gguf.path.name}")
+        w = t.to_float32()
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = undo_llama_cpp_permute(w, config.num_heads)
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = undo_llama_cpp_permute(w, config.num_kv_heads)
+        out[name] = torch.from_numpy(w)
+    return out
+
+
+def hf_tensors_from_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update({k: v.float() for k, v in load_file(f).items()})
+    return out
+
+
+def llama3_freq_divisors(config: ModelConfig) -> torch.Tensor | None:
+    """Per-dimension divisors of RoPE frequencies for `rope_type: llama3`, as a llama3
+    GGUF stores them in `rope_freqs` (wavelengths beyond the original context are
+    stretched by `factor`, short ones kept, the band between interpolated)."""
+    rs = config.rope_scaling
+    if not rs or rs.get("rope_type", rs.get("type")) != "llama3":
+        return None
+    factor, low, high = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+    old_ctx = rs["original_max_position_embeddings"]
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim))
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    divisor = 1.0 / ((1 - smooth) / factor + smooth)
+    divisor = torch.where(wavelen > old_ctx / low, torch.full_like(wavelen, factor), divisor)
+    divisor = torch.where(wavelen < old_ctx / high, torch.ones_like(wavelen), divisor)
+    return divisor.float()
+
+
+def fuse_hf_tensors(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF names -> the fused parameter names of pagedserve's LlamaModel."""
+    sd: dict[str, torch.Tensor] = {
+        "embed.weight": hf["model.embed_tokens.weight"],
+        "norm.weight": hf["model.norm.weight"],
+    }
+    if "lm_head.weight" in hf and not config.tie_word_embeddings:
+        sd["lm_head.weight"] = hf["lm_head.weight"]
+    divisors = hf.get("rope_freqs")
+    if divisors is None:
+        divisors = llama3_freq_divisors(config)
+    if divisors is not None:
+        sd["rope_freq_divisors"] = divisors
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        sd[f"layers.{i}.attn_norm.weight"] = hf[p + "input_layernorm.weight"]
+        sd[f"layers.{i}.ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
+        sd[f"layers.{i}.qkv.weight"] = torch.cat([hf[a + f"{x}_proj.weight"] for x in "qkv"])
+        if config.attention_bias:
+            sd[f"layers.{i}.qkv.bias"] = torch.cat([hf[a + f"{x}_proj.bias"] for x in "qkv"])
+        if config.qk_norm:
+            sd[f"layers.{i}.q_norm.weight"] = hf[a + "q_norm.weight"]
+            sd[f"layers.{i}.k_norm.weight"] = hf[a + "k_norm.weight"]
+        sd[f"layers.{i}.o.weight"] = hf[a + "o_proj.weight"]
+        sd[f"layers.{i}.gate_up.weight"] = torch.cat([hf[m + "gate_proj.weight"], hf[m + "up_proj.weight"]])
+        sd[f"layers.{i}.down.weight"] = hf[m + "down_proj.weight"]
+    return {k: v.contiguous() for k, v in sd.items()}

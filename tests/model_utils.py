@@ -1,0 +1,73 @@
+"""Run pagedserve's model on whole sequences without the engine: contiguous block
+tables over a private KV cache. Tests of the model alone use it."""
+from __future__ import annotations
+
+import torch
+
+from pagedserve.attention.backend import ReferenceBackend
+from pagedserve.attention.metadata import AttentionMetadata
+
+BLOCK_SIZE = 16
+
+
+def new_kv_caches(model, num_blocks: int) -> list[torch.Tensor]:
+    c = model.config
+    return [torch.zeros(2, num_blocks, BLOCK_SIZE, c.num_kv_heads, c.head_dim) for _ in range(c.num_layers)]
+
+
+def step_metadata(starts: list[int], query_lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
+    """Sequence i computes positions starts[i] .. starts[i]+query_lens[i]-1 using block table tables[i]."""
+    seq_lens = [s + q for s, q in zip(starts, query_lens)]
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    slots = []
+    for s, q, t in zip(starts, query_lens, tables):
+        pos = torch.arange(s, s + q)
+        slots.append(torch.tensor(t)[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+    qsl[1:] = torch.tensor(query_lens).cumsum(0)
+    return AttentionMetadata(
+        query_start_loc=qsl,
+        seq_lens=torch.tensor(seq_lens),
+        block_tables=block_tables,
+        slot_mapping=torch.cat(slots),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=seq_lens,
+        block_size=BLOCK_SIZE,
+    )
+
+
+@torch.inference_mode()
+def prefill_logits(model, token_ids: list[int], backend=None) -> torch.Tensor:
+    """Logits at every position of one sequence (asked for explicitly, row by row)."""
+    backend = backend or ReferenceBackend()
+    n = len(token_ids)
+    nblocks = -(-n // BLOCK_SIZE)
+    caches = new_kv_caches(model, nblocks + 1)
+    meta = step_metadata([0], [n], [list(range(1, nblocks + 1))])
+    return model(torch.tensor(token_ids), torch.arange(n), caches, meta, backend, torch.arange(n))
+
+
+@torch.inference_mode()
+def greedy_generate(model, token_ids: list[int], max_new_tokens: int, backend=None) -> list[int]:
+    """Prefill, then decode one token per step through the paged cache."""
+    backend = backend or ReferenceBackend()
+    total = len(token_ids) + max_new_tokens
+    nblocks = -(-total // BLOCK_SIZE)
+    caches = new_kv_caches(model, nblocks + 1)
+    table = list(range(nblocks, 0, -1))  # deliberately not in ascending order
+    ids = list(token_ids)
+    out: list[int] = []
+    start, new = 0, list(token_ids)
+    for _ in range(max_new_tokens):
+        meta = step_metadata([start], [len(new)], [table])
+        logits = model(
+            torch.tensor(new), torch.arange(start, start + len(new)), caches, meta, backend,
+            torch.tensor([len(new) - 1]),
+        )
+        tok = int(logits[0].argmax())
+        out.append(tok)
+        start += len(new)
+        new = [tok]
+        ids.append(tok)
+    return out
