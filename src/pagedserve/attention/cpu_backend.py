@@ -1,0 +1,303 @@
+"""Fast paged attention on CPU, built on torch's flash-attention CPU kernel.
+
+A step is split by query length:
+
+- short queries (decodes, speculative verification, tiny chunks) are batched:
+  sequences of similar context length share one scaled_dot_product_attention
+  call over K/V gathered from their block tables and padded to the group's
+  longest context;
+- a long prefill chunk is attended alone: causally over its own new K/V (read
+  straight from k/v, no gather), plus, when there is earlier context, unmasked
+  over the gathered context, the two halves merged by their log-sum-exp.
+
+benchmarks/attention_backends.py measures this design against the alternatives.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .backend import write_kv
+from .metadata import AttentionMetadata
+
+# From this many query tokens on, a sequence gets its own call: the causal kernel
+# then skips the masked half of the chunk, and padding short queries up to its
+# length would multiply their work.
+PREFILL_MIN_QUERY_LEN = 16
+# What one more batched call costs, in key positions (x query length) of padded
+# work; measured as the fixed cost of a call (~0.1 ms) over the cost per position.
+GROUP_CALL_COST = 512
+
+# Unlike the public SDPA it also returns the log-sum-exp, which merging the two
+# halves of a prefill chunk needs; it reads K/V with fewer heads than Q (GQA) in place.
+_flash_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+@dataclass(slots=True)
+class ShortQueryGroup:
+    """Sequences attended in one call, padded to the longest context and query."""
+
+    block_ids: torch.Tensor  # [num_seqs * num_blocks]: each sequence's blocks, in order
+    num_seqs: int
+    num_blocks: int
+    query_len: int
+    q_rows: torch.Tensor  # [num_seqs * query_len]: q row of each padded query (pads repeat a real one)
+    real_rows: torch.Tensor | None  # padded positions that hold real queries; None when all do
+    out_rows: torch.Tensor  # the token rows those real queries are
+    bias: torch.Tensor | None  # [num_seqs, 1, query_len, keys], 0 or -inf; None when nothing is masked
+    folded_bias: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def bias_for(self, group_size: int) -> torch.Tensor | None:
+        """The mask with one row per (query token, query head of a KV head)."""
+        if self.bias is None or self.query_len == 1:
+            return self.bias  # a single query row broadcasts over the folded heads
+        if group_size not in self.folded_bias:
+            self.folded_bias[group_size] = self.bias.repeat_interleave(group_size, dim=2)
+        return self.folded_bias[group_size]
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One sequence's long query: rows start:start+query_len, after context_len cached tokens."""
+
+    start: int
+    query_len: int
+    context_len: int
+    block_ids: torch.Tensor  # the blocks holding the earlier context
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Everything derived from one step's metadata, shared by all layers."""
+
+    meta: AttentionMetadata
+    groups: list[ShortQueryGroup]
+    prefills: list[PrefillChunk]
+    max_gathered_blocks: int
+
+
+class CpuPagedAttention:
+    """The default CPU backend.
+
+    `prepare(meta)` builds the step's gather indices and masks; the runner calls it
+    once per step, and `forward` reuses the result for every layer as long as it is
+    given the same metadata object (a new step must build a new one, never mutate
+    the old one in place). Gathered K/V land in a workspace kept between calls: a
+    fresh tensor of that size per layer would spend more time in page faults than
+    in the copy.
+    """
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self._plan: StepPlan | None = None
+        self._workspace = torch.empty(0)
+
+    def prepare(self, meta: AttentionMetadata) -> StepPlan:
+        if self._plan is None or self._plan.meta is not meta:
+            self._plan = build_plan(meta)
+        return self._plan
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_heads, num_kv_heads = q.shape[1], kv_cache.shape[-2]
+        if num_heads % num_kv_heads:
+            raise ValueError(f"q has {num_heads} heads; must be a multiple of the cache's {num_kv_heads} KV heads")
+        if q.shape[0] != meta.num_tokens:
+            raise ValueError(f"q has {q.shape[0]} rows; meta.slot_mapping has {meta.num_tokens}")
+        plan = self.prepare(meta)
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = q.new_empty(q.shape[0], num_heads * q.shape[2])
+        gathered = self._workspace_for(kv_cache, plan.max_gathered_blocks)
+        for group in plan.groups:
+            _attend_group(group, q, kv_cache, gathered, out, scale)
+        for chunk in plan.prefills:
+            _attend_prefill(chunk, q, k, v, kv_cache, gathered, out, scale)
+        return out
+
+    def _workspace_for(self, kv_cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        """A [2, num_blocks, block_size, num_kv_heads, head_dim] buffer, reused across calls."""
+        shape = (2, num_blocks, *kv_cache.shape[2:])
+        numel = math.prod(shape)
+        if self._workspace.numel() < numel or self._workspace.dtype != kv_cache.dtype:
+            self._workspace = torch.empty(numel, dtype=kv_cache.dtype)
+        return self._workspace[:numel].view(shape)
+
+
+def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, workspace: torch.Tensor) -> torch.Tensor:
+    """K/V of `block_ids`, copied in order into the front of the workspace."""
+    buf = workspace[:, : block_ids.numel()]
+    torch.index_select(kv_cache, 1, block_ids, out=buf)
+    return buf
+
+
+def _attend_group(
+    group: ShortQueryGroup,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    workspace: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    n, qlen = group.num_seqs, group.query_len
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = kv_cache.shape[-2]
+    heads_per_kv = num_heads // num_kv_heads
+    keys_len = group.num_blocks * kv_cache.shape[2]
+    kv = _gather(kv_cache, group.block_ids, workspace).view(2, n, keys_len, num_kv_heads, head_dim)
+    # The query heads that share a KV head become extra query rows of that head, so
+    # each K/V row is read once per KV head and GQA needs no expanded copy of K/V.
+    queries = (
+        q.index_select(0, group.q_rows)
+        .view(n, qlen, num_kv_heads, heads_per_kv, head_dim)
+        .transpose(1, 2)
+        .reshape(n, num_kv_heads, qlen * heads_per_kv, head_dim)
+    )
+    attended = F.scaled_dot_product_attention(
+        queries,
+        kv[0].transpose(1, 2),  # [n, num_kv_heads, keys, head_dim], a strided view the kernel reads in place
+        kv[1].transpose(1, 2),
+        attn_mask=group.bias_for(heads_per_kv),
+        scale=scale,
+    )
+    rows = (
+        attended.view(n, num_kv_heads, qlen, heads_per_kv, head_dim)
+        .transpose(1, 2)
+        .reshape(n * qlen, num_heads * head_dim)
+    )
+    if group.real_rows is not None:
+        rows = rows.index_select(0, group.real_rows)
+    out.index_copy_(0, group.out_rows, rows)
+
+
+def _attend_prefill(
+    chunk: PrefillChunk,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    workspace: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    rows = slice(chunk.start, chunk.start + chunk.query_len)
+    queries = q[rows].transpose(0, 1).unsqueeze(0)  # [1, num_heads, query_len, head_dim]
+    attended, lse = _flash_attention(
+        queries, k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0), 0.0, True, scale=scale
+    )
+    if chunk.context_len:
+        kv = _gather(kv_cache, chunk.block_ids, workspace)
+        kv = kv.reshape(2, 1, -1, *kv.shape[-2:])[:, :, : chunk.context_len]
+        earlier, earlier_lse = _flash_attention(
+            queries, kv[0].transpose(1, 2), kv[1].transpose(1, 2), 0.0, False, scale=scale
+        )
+        attended = _merge(attended, lse, earlier, earlier_lse)
+    out[rows] = attended[0].transpose(0, 1).reshape(chunk.query_len, -1)
+
+
+def _merge(a: torch.Tensor, a_lse: torch.Tensor, b: torch.Tensor, b_lse: torch.Tensor) -> torch.Tensor:
+    """Softmax attention over two disjoint key sets, from each set's normalised output
+    and log-sum-exp: weight each by its share of the total probability mass."""
+    total = torch.logaddexp(a_lse, b_lse)
+    return a * (a_lse - total).exp_().unsqueeze(-1) + b * (b_lse - total).exp_().unsqueeze(-1)
+
+
+def build_plan(meta: AttentionMetadata) -> StepPlan:
+    """Split the step into short-query groups and prefill chunks, with their indices."""
+    starts = meta.query_start_loc.tolist()
+    short: list[int] = []
+    prefills: list[PrefillChunk] = []
+    for i, (qlen, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        if qlen > seq_len:
+            raise ValueError(f"sequence {i}: query_len {qlen} exceeds seq_len {seq_len}")
+        if qlen == 0:
+            continue
+        if qlen < PREFILL_MIN_QUERY_LEN:
+            short.append(i)
+            continue
+        context_len = seq_len - qlen
+        num_blocks = -(-context_len // meta.block_size)
+        prefills.append(PrefillChunk(starts[i], qlen, context_len, meta.block_tables[i, :num_blocks]))
+    groups = [_short_group(meta, members) for members in partition_by_length(meta, short)]
+    max_blocks = max(
+        [g.block_ids.numel() for g in groups] + [c.block_ids.numel() for c in prefills], default=0
+    )
+    return StepPlan(meta, groups, prefills, max_blocks)
+
+
+def partition_by_length(meta: AttentionMetadata, seqs: list[int]) -> list[list[int]]:
+    """Group sequences so that padding to each group's longest costs the least.
+
+    Sequences sorted by padded context length (longest first) are cut into runs by
+    dynamic programming; a run costs GROUP_CALL_COST plus its padded work
+    (members x longest context x longest query). Sequences of equal padded length
+    move as one item, so the search is quadratic in the number of distinct lengths.
+    """
+    bs = meta.block_size
+    buckets: dict[int, list[int]] = {}
+    for i in seqs:
+        buckets.setdefault(-(-meta.seq_lens_cpu[i] // bs) * bs, []).append(i)
+    lengths = sorted(buckets, reverse=True)
+    members = [buckets[n] for n in lengths]
+    max_q = [max(meta.query_lens_cpu[i] for i in m) for m in members]
+    best = [0.0] + [math.inf] * len(lengths)
+    cut = [0] * (len(lengths) + 1)
+    for end in range(1, len(lengths) + 1):
+        count = 0
+        qlen = 0
+        for start in range(end - 1, -1, -1):  # run = items start..end-1, longest is lengths[start]
+            count += len(members[start])
+            qlen = max(qlen, max_q[start])
+            work = GROUP_CALL_COST + count * lengths[start] * qlen
+            if work >= best[end]:
+                break  # longer runs only add members, length and query rows
+            if best[start] + work < best[end]:
+                best[end], cut[end] = best[start] + work, start
+    runs: list[list[int]] = []
+    end = len(lengths)
+    while end:
+        runs.append([i for item in members[cut[end] : end] for i in item])
+        end = cut[end]
+    return runs
+
+
+def _short_group(meta: AttentionMetadata, seqs: list[int]) -> ShortQueryGroup:
+    index = torch.tensor(seqs)
+    qlens = torch.tensor([meta.query_lens_cpu[i] for i in seqs]).unsqueeze(1)
+    seq_lens = torch.tensor([meta.seq_lens_cpu[i] for i in seqs]).unsqueeze(1)
+    max_q = max(meta.query_lens_cpu[i] for i in seqs)
+    num_blocks = -(-max(meta.seq_lens_cpu[i] for i in seqs) // meta.block_size)
+    keys_len = num_blocks * meta.block_size
+
+    offsets = torch.arange(max_q).unsqueeze(0)
+    real = offsets < qlens  # [n, max_q]
+    rows = meta.query_start_loc[index].unsqueeze(1) + torch.minimum(offsets, qlens - 1)
+    # A padded query row sits past the end of its sequence, so it may see the whole
+    # context: no row is entirely masked (which would make its softmax NaN).
+    last_key = torch.minimum(seq_lens - qlens + offsets, seq_lens - 1)
+    masked = torch.arange(keys_len).view(1, 1, -1) > last_key.unsqueeze(-1)
+    bias = None
+    if bool(masked.any()):
+        bias = torch.zeros(masked.shape, dtype=torch.float32).masked_fill_(masked, float("-inf")).unsqueeze(1)
+
+    all_real = bool(real.all())
+    return ShortQueryGroup(
+        block_ids=meta.block_tables[index, :num_blocks].reshape(-1),
+        num_seqs=len(seqs),
+        num_blocks=num_blocks,
+        query_len=max_q,
+        q_rows=rows.reshape(-1),
+        real_rows=None if all_real else real.reshape(-1).nonzero().squeeze(1),
+        out_rows=rows[real],
+        bias=bias,
+    )

@@ -1,0 +1,1 @@
+"""The engine: step loop, request bookkeeping, incremental detokenization and the offline API."""

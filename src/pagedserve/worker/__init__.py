@@ -1,0 +1,1 @@
+"""Model execution: batch tensors, the forward pass, and token sampling."""
