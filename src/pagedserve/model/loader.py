@@ -26,6 +26,7 @@ from .config import ModelConfig
 from .gguf_file import GGUFFile
 from .llama import LlamaModel
 from .registry import DEFAULT_MODEL_NAME, default_model_path
+from .tokenizer import Tokenizer
 from .weights import fuse_hf_tensors, hf_tensors_from_gguf, hf_tensors_from_safetensors
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class ConvertedGGUF:
 
     config: ModelConfig
     state: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
     metadata: dict[str, Any]  # GGUF metadata (vocabulary arrays only when read fresh)
     cache_dir: Path
     from_cache: bool
@@ -88,30 +90,33 @@ class ConvertedGGUF:
 
 def convert_gguf(path: Path, use_cache: bool = True) -> ConvertedGGUF:
     cache_dir = cache_root() / f"v{_CACHE_FORMAT}-{file_digest(path)}"
-    weights_file, meta_file = cache_dir / "weights.pt", cache_dir / "model.json"
-    if use_cache and weights_file.is_file() and meta_file.is_file():
+    weights_file, tok_dir, meta_file = cache_dir / "weights.pt", cache_dir / "tokenizer", cache_dir / "model.json"
+    if use_cache and meta_file.is_file():  # model.json is written last: its presence means complete
         saved = json.loads(meta_file.read_text())
         config = ModelConfig(**saved["config"])
         state = torch.load(weights_file, mmap=True, weights_only=True)
-        return ConvertedGGUF(config, state, saved["metadata"], cache_dir, from_cache=True)
+        tokenizer = Tokenizer.from_pretrained(tok_dir)
+        return ConvertedGGUF(config, state, tokenizer, saved["metadata"], cache_dir, from_cache=True)
 
     gguf = GGUFFile(path)
     config = ModelConfig.from_gguf_metadata(gguf.metadata)
     hf = hf_tensors_from_gguf(gguf, config)
     config = dataclasses.replace(config, tie_word_embeddings="lm_head.weight" not in hf)
     state = fuse_hf_tensors(hf, config)
+    tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     if use_cache:
         try:
             cache_dir.mkdir(parents=True, exist_ok=True)
             tmp = weights_file.with_suffix(".tmp")
             torch.save(state, tmp)
             os.replace(tmp, weights_file)
-            meta_file.write_text(
-                json.dumps({"config": config.to_dict(), "metadata": _metadata_without_vocab(gguf.metadata)})
-            )
+            tokenizer.save(tok_dir)
+            tmp = meta_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"config": config.to_dict(), "metadata": _metadata_without_vocab(gguf.metadata)}))
+            os.replace(tmp, meta_file)
         except OSError as e:  # a read-only home must not stop the model from loading
             logger.warning("could not write the model cache at %s: %s", cache_dir, e)
-    return ConvertedGGUF(config, state, gguf.metadata, cache_dir, from_cache=False)
+    return ConvertedGGUF(config, state, tokenizer, gguf.metadata, cache_dir, from_cache=False)
 
 
 def build_model(config: ModelConfig, state: dict[str, torch.Tensor]) -> LlamaModel:
@@ -121,7 +126,22 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor]) -> LlamaMod
     return model.eval()
 
 
-def load_hf_folder(path: Path) -> tuple[ModelConfig, LlamaModel]:
-    config = ModelConfig.from_hf_config(path / "config.json")
-    state = fuse_hf_tensors(hf_tensors_from_safetensors(path), config)
-    return config, build_model(config, state)
+@dataclass
+class LoadedModel:
+    name: str
+    source: ModelSource
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Tokenizer
+
+
+def load_model(model: str | os.PathLike | None = None, use_cache: bool = True) -> LoadedModel:
+    source = resolve_model(model)
+    if source.kind == "gguf":
+        converted = convert_gguf(source.path, use_cache=use_cache)
+        config, state, tokenizer = converted.config, converted.state, converted.tokenizer
+    else:
+        config = ModelConfig.from_hf_config(source.path / "config.json")
+        state = fuse_hf_tensors(hf_tensors_from_safetensors(source.path), config)
+        tokenizer = Tokenizer.from_pretrained(source.path)
+    return LoadedModel(source.name, source, config, build_model(config, state), tokenizer)

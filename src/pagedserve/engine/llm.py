@@ -1,0 +1,99 @@
+"""The offline API: `LLM(...).generate(prompts, params)` and `.chat(messages, params)`."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from ..config import EngineConfig
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from .llm_engine import LLMEngine
+
+Prompt = str | list[int]
+Conversation = Sequence[Mapping[str, Any]]
+
+
+class LLM:
+    """Run many prompts through the engine; options mirror the CLI flags
+    (block_size, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
+    enable_prefix_caching, enable_chunked_prefill, long_prefill_token_threshold,
+    scheduling_policy, policy, ...)."""
+
+    def __init__(self, model: str | None = None, **engine_options: Any):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """RequestOutputs in the order of `prompts` (a string, token ids, or a list of either)."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        return self._run(zip(prompts, params), len(prompts), use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        prompts = [
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
+                add_special_tokens=False,
+            )
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    @staticmethod
+    def _params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if len(sampling_params) != n:
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {n} prompts")
+        return list(sampling_params)
+
+    def _run(self, jobs, total: int, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids: list[str] = []
+        try:
+            for prompt, params in jobs:
+                ids.append(engine.add_request(prompt, params))
+        except Exception:
+            for rid in ids:
+                engine.abort(rid)
+            raise
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=total, desc="generating", disable=not use_tqdm or total < 2)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in done:
+                    engine.abort(rid)
+            raise
+        finally:
+            bar.close()
+        return [done[rid] for rid in ids]

@@ -1,0 +1,127 @@
+"""`pagedserve generate` and `pagedserve chat`."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from ..config import EngineConfig
+
+DEFAULT_PROMPT = "The three most important ideas behind fast LLM serving are"
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed (--seed seeds the engine)")
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, default=None)
+
+
+def _sampling_params(args: argparse.Namespace):
+    from ..sampling_params import SamplingParams
+
+    return SamplingParams(
+        n=args.n, max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ..engine.llm import LLM
+
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        prompts = [DEFAULT_PROMPT]
+    config = EngineConfig.from_cli_args(args)
+    llm = LLM(**config.describe())
+    outputs = llm.generate(prompts, _sampling_params(args), use_tqdm=not args.json)
+    for out in outputs:
+        for c in out.outputs:
+            if args.json:
+                print(json.dumps({"prompt": out.prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids,
+                                  "finish_reason": c.finish_reason}))
+            else:
+                print(f"{out.prompt}\033[1m{c.text}\033[0m  [{c.finish_reason}]")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from ..engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig.from_cli_args(args))
+    params = _sampling_params(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("Type a message; Ctrl-D or /exit quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if line.strip() in ("/exit", "/quit"):
+            break
+        messages.append({"role": "user", "content": line})
+        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        rid = engine.add_request(engine.tokenizer.encode(prompt, add_special_tokens=False), params)
+        reply = ""
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == rid:
+                    delta = out.outputs[0].delta_text
+                    reply += delta
+                    print(delta, end="", flush=True)
+        print()
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="An LLM serving engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate completions for prompts (offline)")
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: a built-in demo prompt")
+    gen.add_argument("--prompts-file", help="a file with one prompt per line")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per completion")
+    EngineConfig.add_cli_args(gen)
+    _add_sampling_args(gen, max_tokens=64)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="chat interactively, streaming replies")
+    chat.add_argument("--system", help="a system message")
+    EngineConfig.add_cli_args(chat)
+    _add_sampling_args(chat, max_tokens=256)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
