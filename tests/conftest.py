@@ -35,3 +35,40 @@ def hf_model(gguf_path):
     )
     model.eval()
     return model
+
+
+REFERENCE_TEXTS = [
+    "Hi",
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "<|im_start|>user\nWhat is 17 * 23?<|im_end|>\n<|im_start|>assistant\n",
+    "Once upon a time, in a small village nestled between two mountains, there lived a",
+    "日本の首都は東京です。フランスの首都は",
+    "1, 2, 3, 5, 8, 13, 21, 34,",
+]
+REFERENCE_NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="session")
+def reference_prompts(hf_tokenizer) -> list[list[int]]:
+    """Token-id prompts from 1 to 300 tokens."""
+    ids = [hf_tokenizer(t)["input_ids"] for t in REFERENCE_TEXTS]
+    ids.append([ids[4][i % len(ids[4])] for i in range(300)])
+    ids.insert(0, [hf_tokenizer.eos_token_id])
+    return ids
+
+
+@pytest.fixture(scope="session")
+def reference_greedy(hf_model, hf_tokenizer, reference_prompts) -> list[list[int]]:
+    """The reference's greedy continuations (it stops after EOS)."""
+    import torch
+
+    out = []
+    with torch.inference_mode():
+        for ids in reference_prompts:
+            gen = hf_model.generate(
+                torch.tensor([ids]), max_new_tokens=REFERENCE_NEW_TOKENS, do_sample=False,
+                pad_token_id=hf_tokenizer.eos_token_id,
+            )
+            out.append(gen[0, len(ids):].tolist())
+    return out

@@ -1,7 +1,28 @@
 """pagedserve: an LLM serving engine with PagedAttention, continuous batching and chunked prefill."""
-from .engine.llm import LLM
-from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+from __future__ import annotations
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+import importlib
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+# Imported on first use, so `pagedserve.core` (pure Python) stays importable
+# without torch: the simulator and the core tests depend on that.
+_LAZY = {
+    "LLM": "pagedserve.engine.llm",
+    "SamplingParams": "pagedserve.sampling_params",
+    "RequestOutput": "pagedserve.outputs",
+    "CompletionOutput": "pagedserve.outputs",
+}
+
+if TYPE_CHECKING:
+    from .engine.llm import LLM
+    from .outputs import CompletionOutput, RequestOutput
+    from .sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")

@@ -31,24 +31,24 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def _refuse_private(name: Any) -> None:
+    if isinstance(name, str) and name.startswith("_"):
+        raise jinja2.exceptions.SecurityError(f"chat templates may not set namespace attribute {name!r}")
+
+
 class _GuardedNamespace(Namespace):
-    """`namespace()` that refuses underscore names, so a template cannot plant dunders."""
+    """A `namespace()` whose attributes cannot be underscore names, so a template cannot plant dunders."""
 
-    def __init__(*args: Any, **kwargs: Any):  # noqa: N805 - Namespace's own signature trick
-        self, rest = args[0], args[1:]
-        attrs = dict(*rest, **kwargs)
-        for name in attrs:
-            _GuardedNamespace._check(name)
-        Namespace.__init__(self, attrs)
+    def __setitem__(self, name: str, value: Any) -> None:  # `{% set ns.name = value %}`
+        _refuse_private(name)
+        super().__setitem__(name, value)
 
-    def __setitem__(self, name: str, value: Any) -> None:
-        _GuardedNamespace._check(name)
-        Namespace.__setitem__(self, name, value)
 
-    @staticmethod
-    def _check(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"chat templates may not set namespace attribute {name!r}")
+def _namespace(*args: Any, **kwargs: Any) -> _GuardedNamespace:
+    attrs = dict(*args, **kwargs)
+    for name in attrs:
+        _refuse_private(name)
+    return _GuardedNamespace(attrs)
 
 
 class _GenerationBlock(Extension):
@@ -70,7 +70,7 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    env.globals["namespace"] = _GuardedNamespace
+    env.globals["namespace"] = _namespace
     return env
 
 

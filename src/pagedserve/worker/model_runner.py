@@ -76,7 +76,7 @@ class ModelRunner:
         for rid in out.preempted_request_ids:
             self.block_tables.remove(rid)
         for s in out.scheduled:
-            if s.is_new:
+            if s.block_ids is not None:  # new, resumed, forked, or changed by copy-on-write
                 self.block_tables.set(s.request_id, s.block_ids)
             elif s.new_block_ids:
                 self.block_tables.append(s.request_id, s.new_block_ids)

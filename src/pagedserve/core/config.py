@@ -1,0 +1,90 @@
+"""Scheduler and KV-cache configuration, validated once at construction.
+
+Every invalid value raises ValueError naming the field and what it allows, so a
+bad CLI flag or `LLM(...)` option fails before any request is accepted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("chunked", "continuous", "static", "naive")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+MAX_BLOCK_SIZE = 1024
+
+
+def _positive_int(name: str, value: object) -> None:
+    # bool is an int subclass; True as a size is always a caller bug.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+@dataclass(slots=True, frozen=True)
+class CacheConfig:
+    """The paged KV cache: `num_blocks` blocks of `block_size` token slots each."""
+
+    num_blocks: int
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _positive_int("num_blocks", self.num_blocks)
+        _positive_int("block_size", self.block_size)
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {self.block_size}")
+        _flag("enable_prefix_caching", self.enable_prefix_caching)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerConfig:
+    """What one step may contain and how requests are chosen.
+
+    `policy` selects the batching discipline for the scheduler study (see
+    core/policies.py); `scheduling_policy` selects who goes first and who is
+    preempted. `enable_chunked_prefill=False` turns the default "chunked" policy
+    into "continuous" (the vLLM flag keeps its meaning); the other policies never
+    chunk.
+    """
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 128
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    policy: str = "chunked"
+
+    def __post_init__(self) -> None:
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        # Running decodes are scheduled before anything else, one token each; if
+        # they could outnumber the budget, the ones at the back would starve.
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(
+                f"max_num_seqs ({self.max_num_seqs}) must be <= max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) so every running decode fits one step"
+            )
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+        _flag("enable_chunked_prefill", self.enable_chunked_prefill)
+        threshold = self.long_prefill_token_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0 = off), got {threshold!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; got {self.scheduling_policy!r}"
+            )
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+
+    @property
+    def chunked_prefill(self) -> bool:
+        return self.policy == "chunked" and self.enable_chunked_prefill

@@ -1,0 +1,177 @@
+"""A request as the scheduler sees it: token ids plus how many of them are computed.
+
+Prefill, a prefill chunk, a decode step, a prefix-cache hit and recompute after
+preemption are all `num_computed_tokens` catching up to `num_tokens`.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+CHILD_ID_SEPARATOR = "#"
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI-style reason ("stop", "length", "abort"), None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+def _require_int(name: str, value: object, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+
+
+@dataclass(slots=True, eq=False, repr=False)
+class Request:
+    """One sequence. Equality is identity: two requests are never interchangeable."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Lower value = more important, as in vLLM.
+    priority: int = 0
+    min_tokens: int = 0
+    n: int = 1
+    eos_token_id: int | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    cache_salt: str | None = None
+    # The engine's SamplingParams (or sampler state); core never looks inside.
+    sampling: Any = None
+    parent_id: str | None = None
+    index: int = 0
+
+    output_token_ids: list[int] = field(init=False)
+    # Prompt + outputs in one list that only grows, so a step's token slice is cheap.
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = field(init=False, default=0)
+    status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
+    num_preemptions: int = field(init=False, default=0)
+    # Prefix-cache hit in tokens at the first admission; None until then.
+    num_cached_tokens: int | None = field(init=False, default=None)
+    # The stop token id that ended the request (or a stop string the engine set).
+    stop_reason: int | str | None = field(init=False, default=None)
+    # Chained hashes of full blocks, extended lazily; each block is hashed once.
+    block_hashes: list[bytes] = field(init=False)
+    # True until a parallel-sampling parent has forked its n - 1 children.
+    fork_pending: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: prompt_token_ids must hold at least one token")
+        _require_int("max_tokens", self.max_tokens, 1)
+        _require_int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        _require_int("n", self.n, 1)
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        if self.eos_token_id is not None:
+            _require_int("eos_token_id", self.eos_token_id, 0)
+        self.stop_token_ids = frozenset(self.stop_token_ids)
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ValueError(f"cache_salt must be a string or None, got {self.cache_salt!r}")
+        self.output_token_ids = []
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.block_hashes = []
+        self.fork_pending = self.n > 1
+
+    def __repr__(self) -> str:
+        # Token lists and hashes make the generated repr unreadable in test failures.
+        status = getattr(self, "status", RequestStatus.WAITING).name
+        return (f"Request({self.request_id!r}, {status}, prompt={len(self.prompt_token_ids)}, "
+                f"computed={getattr(self, 'num_computed_tokens', 0)}, outputs={len(getattr(self, 'output_token_ids', ()))})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def num_seats(self) -> int:
+        """Running slots this request holds against max_num_seqs: n until it forks."""
+        return self.n if self.fork_pending else 1
+
+    def append_output_token(self, token_id: int) -> RequestStatus | None:
+        """Append one sampled token; return the finished status it causes, if any."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        num_output = len(self.output_token_ids)
+        # min_tokens only suppresses stopping here; keeping EOS / stop ids from being
+        # sampled at all before min_tokens is the sampler's job.
+        if num_output >= self.min_tokens:
+            if token_id == self.eos_token_id and not self.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in self.stop_token_ids:
+                self.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if num_output >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def make_child(self, index: int, block_size: int) -> Request:
+        """The index-th parallel sample: this request's tokens and computed prefix, n = 1.
+
+        It inherits only the hashes of blocks that lie wholly inside the shared,
+        computed prefix; later blocks will hold its own tokens.
+        """
+        child = Request(
+            request_id=f"{self.request_id}{CHILD_ID_SEPARATOR}{index}",
+            prompt_token_ids=self.prompt_token_ids,
+            max_tokens=self.max_tokens,
+            arrival_time=self.arrival_time,
+            priority=self.priority,
+            min_tokens=self.min_tokens,
+            eos_token_id=self.eos_token_id,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            cache_salt=self.cache_salt,
+            sampling=self.sampling,
+            parent_id=self.request_id,
+            index=index,
+        )
+        child.output_token_ids = list(self.output_token_ids)
+        child.all_token_ids = list(self.all_token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.block_hashes = self.block_hashes[: self.num_computed_tokens // block_size]
+        child.status = RequestStatus.RUNNING
+        return child
+

@@ -1,0 +1,445 @@
+"""One token budget per step, running requests first, preemption by recompute.
+
+The engine loop is: out = schedule(); sampled = runner.execute(out);
+updates = update(out, sampled). schedule() advances each scheduled request's
+num_computed_tokens (the row records where it started); update() appends the
+sampled tokens, applies stop conditions and releases finished requests.
+
+A step is built in two phases:
+1. Running rows: decodes first (so they never starve), then static padding rows,
+   then unfinished prefills. When the pool runs dry, padding rows give up their
+   blocks first, then a victim is preempted (recompute: blocks freed,
+   num_computed_tokens = 0, back into the waiting queue - at its front under fcfs,
+   at its own place under priority; it keeps its output tokens).
+2. Waiting requests, in queue order, while seats, budget and blocks allow;
+   nothing is admitted in a step that preempted. A request that cannot be
+   admitted stops admission (no overtaking), which is safe because add_request
+   rejects anything that could never fit.
+
+Without chunked prefill a prompt must be computed whole. If the next one cannot
+fit beside the running decodes, the step is a prefill step instead: running rows
+wait one step, and waiting prompts are admitted while they fit the budget, the
+first even if it alone exceeds it. Every non-empty schedule therefore makes
+progress, and no prompt waits for the running batch to drain.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from .config import CacheConfig, SchedulerConfig
+from .kv_cache_manager import Allocation, KVCacheManager, PrefixHit
+from .outputs import RequestUpdate, ScheduledRequest, SchedulerOutput, SchedulerStats
+from .policies import make_policy
+from .request import CHILD_ID_SEPARATOR, Request, RequestStatus
+from .request_queue import make_waiting_queue
+
+RUNNING = RequestStatus.RUNNING
+ABORTED = RequestStatus.FINISHED_ABORTED
+
+
+class _Step:
+    """The step being built: its rows in order, the budget left, who was preempted."""
+
+    __slots__ = ("budget", "num_tokens", "rows", "index", "copies", "preempted")
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.num_tokens = 0
+        self.rows: list[ScheduledRequest | None] = []
+        self.index: dict[str, int] = {}
+        self.copies: dict[int, tuple[tuple[int, int], ...]] = {}
+        self.preempted: list[str] = []
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.index
+
+    def add(self, row: ScheduledRequest, copies: tuple[tuple[int, int], ...]) -> None:
+        i = len(self.rows)
+        self.rows.append(row)
+        self.index[row.request_id] = i
+        if copies:
+            self.copies[i] = copies
+        self.budget -= row.num_new_tokens
+        self.num_tokens += row.num_new_tokens
+
+    def drop(self, request_id: str) -> None:
+        """Take back a row scheduled earlier in this step (its request lost its blocks)."""
+        i = self.index.pop(request_id, None)
+        if i is None:
+            return
+        row = self.rows[i]
+        self.rows[i] = None
+        self.copies.pop(i, None)
+        self.budget += row.num_new_tokens
+        self.num_tokens -= row.num_new_tokens
+
+    def live_rows(self) -> list[ScheduledRequest]:
+        return [r for r in self.rows if r is not None]
+
+    def build(self, finished_ids: list[str]) -> SchedulerOutput:
+        return SchedulerOutput(
+            scheduled=self.live_rows(),
+            num_scheduled_tokens=self.num_tokens,
+            block_copies=[c for i in sorted(self.copies) for c in self.copies[i]],
+            preempted_request_ids=self.preempted,
+            finished_request_ids=finished_ids,
+        )
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.kv_cache = KVCacheManager(cache_config)
+        self.policy = make_policy(scheduler_config)
+        self.waiting = make_waiting_queue(scheduler_config.scheduling_policy)
+        # In admission order; a forked parent's children sit right after it.
+        self.running: list[Request] = []
+        # Static policy: finished members still computing padding rows, in finish order.
+        self.padding: dict[str, Request] = {}
+        # Every request not yet released (waiting, running or padding), by id.
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        # max_num_seqs seats held: n for an unforked parent, 1 per other row.
+        self._seats = 0
+        # Requests whose next row must carry the whole block table (forked children).
+        self._unsynced: set[str] = set()
+        self._children: dict[str, list[Request]] = {}
+        self._released_ids: list[str] = []
+
+    # -- requests in -----------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request, or raise ValueError (with the numbers) if it can never run."""
+        rid = request.request_id
+        if CHILD_ID_SEPARATOR in rid:
+            raise ValueError(f"request_id {rid!r} must not contain {CHILD_ID_SEPARATOR!r} (reserved for samples n > 1)")
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        if request.status is not RequestStatus.WAITING or request.output_token_ids or request.num_computed_tokens:
+            raise ValueError(f"request {rid} must be new (waiting, no outputs, nothing computed)")
+        if request.n > self.config.max_num_seqs:
+            raise ValueError(f"request {rid}: n ({request.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
+        total = request.num_prompt_tokens + request.max_tokens
+        max_len = self.config.max_model_len
+        if max_len is not None and total > max_len:
+            raise ValueError(
+                f"request {rid}: prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) "
+                f"= {total} exceeds max_model_len ({max_len})"
+            )
+        bs = self.block_size
+        if -(-total // bs) > self.kv_cache.num_blocks:
+            raise ValueError(
+                f"request {rid}: prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) "
+                f"= {total} tokens needs {-(-total // bs)} KV blocks of {bs}; the pool has {self.kv_cache.num_blocks}"
+            )
+        self.requests[rid] = request
+        self.waiting.add(request)
+
+    # -- one step ----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        step = _Step(self.config.max_num_batched_tokens)
+        if self._wants_prefill_step():
+            self._schedule_waiting(step)
+        if step.is_empty:
+            self._schedule_running(step)
+            if not step.preempted:
+                self._schedule_waiting(step)
+        self.policy.end_step()
+        released, self._released_ids = self._released_ids, []
+        return step.build(released)
+
+    def _wants_prefill_step(self) -> bool:
+        """Whole-prompt policies: is the next prompt too long to sit beside the decodes?"""
+        if self.policy.prefill.chunks or not (self.running or self.padding):
+            return False
+        head = self.policy.next_candidate(self.waiting)
+        if head is None or self._seats + head.num_seats > self.config.max_num_seqs:
+            return False
+        need = head.num_tokens - self.kv_cache.find_prefix_hit(head).num_tokens
+        return need > self.config.max_num_batched_tokens - len(self.running) - len(self.padding)
+
+    def _schedule_running(self, step: _Step) -> None:
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for r in self.running:
+            (decodes if len(r.all_token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
+        prefill_tokens = self.policy.prefill.num_tokens
+        padding = self.padding
+        unsynced = self._unsynced
+        kv = self.kv_cache
+        allocate = kv.allocate_slots
+        bs = self.block_size
+        # Rows that fill a block: indexed only once the step's rows are final, since a
+        # row can still be taken back (its request preempted) while later rows are
+        # placed, and an indexed block must not outlive a computation that never ran.
+        filling: list[ScheduledRequest] = []
+        for req in (*decodes, *padding.values(), *prefills):
+            start = req.num_computed_tokens
+            if req.status is RUNNING:
+                is_padding = False
+                remaining = len(req.all_token_ids) - start
+                n = 1 if remaining == 1 else prefill_tokens(remaining, step.budget, False)
+            elif req.request_id in padding:
+                is_padding = True
+                n = 1
+            else:
+                continue  # preempted, or released to free blocks, earlier in this step
+            if n == 0 or n > step.budget:
+                continue
+            alloc = allocate(req, n)
+            if alloc is None:
+                alloc = self._make_room(req, n, step, None, may_preempt=True)
+                if alloc is None:
+                    continue
+            rid = req.request_id
+            num_samples = 0 if is_padding else self._num_samples(req, start, n)
+            if rid in unsynced:
+                unsynced.discard(rid)
+                table = kv.block_ids(req)
+                row = ScheduledRequest(req, rid, n, start, True, table, table, num_samples, is_padding)
+            else:
+                table = kv.block_ids(req) if alloc.copies else None
+                row = ScheduledRequest(req, rid, n, start, False, alloc.new_block_ids, table, num_samples, is_padding)
+            step.add(row, alloc.copies)
+            if not is_padding:
+                # A preempted request restarts from 0, so advancing now is safe.
+                req.num_computed_tokens = start + n
+                if (start + n) // bs > start // bs:
+                    filling.append(row)
+        for row in filling:
+            if row.request_id in step.index:
+                kv.cache_blocks(row.request, row.start + row.num_new_tokens)
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        prefill_tokens = self.policy.prefill.num_tokens
+        max_seats = self.config.max_num_seqs
+        while step.budget > 0:
+            req = self.policy.next_candidate(self.waiting)
+            if req is None or self._seats + req.num_seats > max_seats:
+                return
+            hit = self.kv_cache.find_prefix_hit(req)
+            n = prefill_tokens(req.num_tokens - hit.num_tokens, step.budget, step.is_empty)
+            if n == 0:
+                return
+            alloc = self.kv_cache.allocate_slots(req, n, hit) or self._make_room(req, n, step, hit, may_preempt=False)
+            if alloc is None:
+                return
+            self._admit(req, hit, n, step)
+
+    def _admit(self, req: Request, hit: PrefixHit, n: int, step: _Step) -> None:
+        self.waiting.remove(req)
+        req.status = RUNNING
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = hit.num_tokens
+        self.running.append(req)
+        self._seats += req.num_seats
+        self.policy.on_admitted(req)
+        start = hit.num_tokens
+        self.kv_cache.cache_blocks(req, start + n)
+        table = self.kv_cache.block_ids(req)
+        step.add(ScheduledRequest(req, req.request_id, n, start, True, table, table, self._num_samples(req, start, n)), ())
+        req.num_computed_tokens = start + n
+
+    @staticmethod
+    def _num_samples(req: Request, start: int, n: int) -> int:
+        if start + n < req.num_tokens:
+            return 0  # a partial prefill chunk: its logits predict nothing new
+        return req.n if req.fork_pending else 1
+
+    def _make_room(
+        self, req: Request, n: int, step: _Step, hit: PrefixHit | None, may_preempt: bool
+    ) -> Allocation | None:
+        """After allocate_slots failed: free blocks until it succeeds. Padding rows go
+        first, then (in the running phase) preemption victims. None if `req` itself
+        had to go, or (admission) nothing more can be freed."""
+        while True:
+            if self.padding:
+                victim = self.padding[next(reversed(self.padding))]
+                self._release_padding_row(victim, step)
+            elif may_preempt:
+                victim = self.waiting.pick_victim(self.running)
+                self._preempt(victim, step)
+            else:
+                return None
+            if victim is req:
+                return None
+            alloc = self.kv_cache.allocate_slots(req, n, hit)
+            if alloc is not None:
+                return alloc
+
+    def _preempt(self, victim: Request, step: _Step) -> None:
+        step.drop(victim.request_id)
+        self.running.remove(victim)
+        self.kv_cache.free(victim)
+        self._seats -= victim.num_seats
+        self._unsynced.discard(victim.request_id)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(victim)
+        self.policy.on_preempted(victim)
+        step.preempted.append(victim.request_id)
+
+    # -- results in ----------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]]) -> list[RequestUpdate]:
+        """Apply one step's sampled tokens (request id -> its num_samples tokens).
+
+        Rows that sample nothing (partial prefill chunks, padding) and requests that
+        finished or were aborted since schedule() are skipped. Returns one update per
+        request that gained tokens, forked children included.
+        """
+        updates: list[RequestUpdate] = []
+        finished: list[Request] = []
+        for row in output.scheduled:
+            k = row.num_samples
+            if k == 0:
+                continue
+            req = row.request
+            if req.status is not RUNNING:
+                continue
+            tokens = sampled.get(row.request_id)
+            if tokens is None or len(tokens) != k:
+                raise ValueError(
+                    f"sampled[{row.request_id!r}] must hold {k} token(s), got {None if tokens is None else len(tokens)}"
+                )
+            members = (req,) if k == 1 else (req, *self._fork(req))
+            for r, token in zip(members, tokens):
+                status = r.append_output_token(token)
+                updates.append(RequestUpdate(r, [token], status))
+                if status is not None:
+                    r.status = status
+                    finished.append(r)
+        if finished:
+            self.running = [r for r in self.running if r.status is RUNNING]
+            for req in finished:
+                self._retire(req, was_running=True)
+        return updates
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """Split a parallel-sampling parent at its first sample into n rows sharing its blocks."""
+        parent.fork_pending = False
+        children = [parent.make_child(i, self.block_size) for i in range(1, parent.n)]
+        for child in children:
+            self.kv_cache.fork(parent, child)
+            self.requests[child.request_id] = child
+            self._unsynced.add(child.request_id)
+        pos = self.running.index(parent) + 1
+        self.running[pos:pos] = children
+        self._children[parent.request_id] = children
+        self.policy.on_forked(children)
+        return children
+
+    # -- requests out --------------------------------------------------------------------
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """The engine ends requests itself (e.g. a stop string matched). Returns the
+        requests this changed; finished or unknown ids are ignored. Aborting by a
+        parent id also aborts its children."""
+        status = RequestStatus(status)
+        if not status.is_finished:
+            raise ValueError(f"status must be a FINISHED_* status, got {status.name}")
+        if status is ABORTED:
+            return [r for rid in request_ids for r in self.abort(rid)]
+        ended = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None and not req.is_finished:
+                self._end(req, status)
+                ended.append(req)
+        return ended
+
+    def abort(self, request_id: str) -> list[Request]:
+        """Abort a request in any state (and, for a parallel-sampling parent, its
+        children), freeing blocks at once. Returns the requests aborted."""
+        targets = [r for r in (self.requests.get(request_id), *self._children.get(request_id, ()))
+                   if r is not None and not r.is_finished]
+        for req in targets:
+            self._end(req, ABORTED)
+        return targets
+
+    def _end(self, req: Request, status: RequestStatus) -> None:
+        was_running = req.status is RUNNING
+        if was_running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        self._retire(req, was_running)
+
+    def _retire(self, req: Request, was_running: bool) -> None:
+        """Release a request that just finished or was aborted, or park it as padding."""
+        can_pad = was_running and req.status is not ABORTED
+        if self.policy.on_finished(req, can_pad):
+            self.padding[req.request_id] = req
+        else:
+            if was_running:
+                self._seats -= req.num_seats
+            self._release(req)
+        if self.policy.batch_done():
+            for row in list(self.padding.values()):
+                self._release_padding_row(row, None)
+
+    def _release_padding_row(self, req: Request, step: _Step | None) -> None:
+        del self.padding[req.request_id]
+        if step is not None:
+            step.drop(req.request_id)
+        self._seats -= 1
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        rid = req.request_id
+        self.kv_cache.free(req)
+        self._unsynced.discard(rid)
+        del self.requests[rid]
+        self._released_ids.append(rid)
+        root = req.parent_id or rid
+        family = self._children.get(root)
+        if family is not None and root not in self.requests and all(c.request_id not in self.requests for c in family):
+            del self._children[root]
+
+    # -- introspection -------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.padding or len(self.waiting))
+
+    def stats(self) -> SchedulerStats:
+        kv = self.kv_cache
+        return SchedulerStats(
+            kv_total_blocks=kv.num_blocks,
+            kv_free_blocks=kv.num_free_blocks,
+            kv_usage=kv.usage,
+            kv_waste=kv.waste(),
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if block accounting or request bookkeeping is off."""
+        self.kv_cache.check_invariants()
+        seats = sum(r.num_seats for r in self.running) + len(self.padding)
+        if seats != self._seats or seats > self.config.max_num_seqs:
+            raise AssertionError(f"seats: counted {self._seats}, rows hold {seats}, max {self.config.max_num_seqs}")
+        for r in self.running:
+            if r.status is not RUNNING or not self.kv_cache.has_blocks(r) or r.num_computed_tokens > r.num_tokens:
+                raise AssertionError(f"running request {r.request_id} is {r.status.name} with "
+                                     f"{r.num_computed_tokens}/{r.num_tokens} computed")
+        for r in self.padding.values():
+            if not r.is_finished or not self.kv_cache.has_blocks(r):
+                raise AssertionError(f"padding row {r.request_id} must be finished and hold blocks")
+        for r in self.waiting:
+            if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED) or r.num_computed_tokens:
+                raise AssertionError(f"waiting request {r.request_id} is {r.status.name}")
+            if self.kv_cache.has_blocks(r):
+                raise AssertionError(f"waiting request {r.request_id} holds blocks")
+        live = {r.request_id for r in self.running} | set(self.padding) | {r.request_id for r in self.waiting}
+        if live != set(self.requests):
+            raise AssertionError(f"requests {sorted(live ^ set(self.requests))} are lost or duplicated")
