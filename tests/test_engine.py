@@ -1,0 +1,207 @@
+"""The engine end to end on the real model: greedy equals the reference; the same
+request gives the same tokens alone and inside a busy batch, with small prefill
+chunks, prefix-cache hits and forced preemption; n > 1 shares the prompt's blocks;
+stop strings; nothing leaks."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import REFERENCE_NEW_TOKENS
+from pagedserve import LLM, SamplingParams
+from pagedserve.core.request import RequestStatus
+from pagedserve.model.loader import load_model
+
+KV_BYTES_PER_BLOCK = 30 * 2 * 3 * 64 * 4 * 16  # SmolLM2-135M, fp32, block 16
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model()
+
+
+def make_llm(loaded, **options) -> LLM:
+    """An LLM over the already-loaded weights (loading is not what these tests test)."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    options.setdefault("kv_cache_memory", 256 * KV_BYTES_PER_BLOCK)
+    llm = LLM.__new__(LLM)
+    llm.engine = LLMEngine(EngineConfig(**options), loaded=loaded)
+    return llm
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    stats = llm.stats()
+    assert stats["kv_free_blocks"] == stats["kv_total_blocks"], stats
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    llm.engine.scheduler.check_invariants()
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def seeded(seed: int) -> SamplingParams:
+    return SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=seed, max_tokens=24, ignore_eos=True)
+
+
+def busy_batch(tokenizer) -> tuple[list, list[SamplingParams]]:
+    """32 mixed requests: long and short prompts, greedy and seeded sampling, some
+    sharing a prefix so the prefix cache gets hits."""
+    shared = tokenizer.encode("You are a careful assistant. Answer briefly and precisely. " * 6)
+    prompts, params = [], []
+    for i in range(32):
+        if i % 4 == 0:
+            prompts.append(shared + tokenizer.encode(f" Question {i}: what is {i} + {i}?"))
+        elif i % 4 == 1:
+            prompts.append(tokenizer.encode(f"Story {i}: " + "the quick brown fox jumps over the lazy dog " * (i % 9 + 1)))
+        else:
+            prompts.append(tokenizer.encode(f"List {i} facts about the number {i * 7}:"))
+        params.append(GREEDY if i % 2 == 0 else seeded(1000 + i))
+    return prompts, params
+
+
+def test_greedy_matches_reference_in_one_batch(loaded, reference_prompts, reference_greedy, hf_tokenizer):
+    llm = make_llm(loaded)
+    params = SamplingParams(temperature=0, max_tokens=REFERENCE_NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate(reference_prompts, params, use_tqdm=False)
+    for out, ref in zip(outs, reference_greedy):
+        assert out.outputs[0].token_ids[: len(ref)] == ref
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),  # the default chunked scheduler, a roomy pool
+        dict(max_num_batched_tokens=32, max_num_seqs=32),  # prefills cut into 32-token chunks
+        dict(policy="continuous"),
+        dict(kv_cache_memory=40 * KV_BYTES_PER_BLOCK, max_num_batched_tokens=64, max_num_seqs=32),  # preemption
+    ],
+    ids=["chunked", "small-chunks", "continuous", "preemption"],
+)
+def test_same_tokens_alone_and_in_a_busy_batch(loaded, options):
+    llm = make_llm(loaded, **options)
+    prompts, params = busy_batch(llm.tokenizer)
+    probes = [0, 1, 5, 8, 13]  # greedy and seeded, short and long, shared-prefix and not
+    alone = {i: llm.generate([prompts[i]], params[i], use_tqdm=False)[0].outputs[0].token_ids for i in probes}
+    batch = llm.generate(prompts, params, use_tqdm=False)
+    for i in probes:
+        assert batch[i].outputs[0].token_ids == alone[i], f"request {i} differs inside the batch"
+    # Run it again: now the shared prefixes are in the prefix cache.
+    again = llm.generate(prompts, params, use_tqdm=False)
+    for i in probes:
+        assert again[i].outputs[0].token_ids == alone[i], f"request {i} differs with prefix-cache hits"
+    stats = llm.stats()
+    assert stats["prefix_cache_hits"] > 0
+    if "kv_cache_memory" in options:
+        assert stats["num_preemptions"] > 0, "the small pool was meant to force preemption"
+    assert_all_blocks_free(llm)
+
+
+def test_parallel_sampling_shares_prompt_blocks(loaded):
+    llm = make_llm(loaded)
+    engine = llm.engine
+    prompt = llm.tokenizer.encode("Write a haiku about the sea. " * 8)[:40]  # 2 full blocks + 8 tokens
+    assert len(prompt) == 40
+    rid = engine.add_request(prompt, SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True))
+    kv = engine.scheduler.kv_cache
+    engine.step()  # prefill + fork: 4 samples, the prompt's 3 blocks shared by all
+    assert kv.num_blocks - kv.num_free_blocks == 3
+    engine.step()  # each sample writes into the shared partial block: copy-on-write
+    # 2 shared full blocks + 4 private copies of the partial block (12 without sharing).
+    assert kv.num_blocks - kv.num_free_blocks == 2 + 4
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    (out,) = outs
+    assert out.request_id == rid and [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 6 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "4 samples at temperature 1 should differ"
+    assert_all_blocks_free(llm)
+
+
+def test_seeded_parallel_samples_are_reproducible(loaded):
+    llm = make_llm(loaded)
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    a = llm.generate("Name a colour:", params, use_tqdm=False)[0]
+    b = llm.generate(["Name a colour:", "Something else entirely", "Third"], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert_all_blocks_free(llm)
+
+
+def test_stop_string_across_token_boundary(loaded):
+    llm = make_llm(loaded)
+    prompt = "The capital of France is"
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    ids = full.outputs[0].token_ids
+    tok = llm.tokenizer
+    # A stop string made of the end of token 2 and the start of token 3.
+    t2, t3 = tok.decode(ids[2:3]), tok.decode(ids[3:4])
+    assert t2 and t3
+    stop = t2[-1:] + t3[:1]
+    expected = full.outputs[0].text[: full.outputs[0].text.index(stop)]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.text == expected
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert_all_blocks_free(llm)
+
+
+def test_streamed_deltas_add_up_to_the_text(loaded):
+    llm = make_llm(loaded)
+    engine = llm.engine
+    engine.add_request("Tell me about Paris.", SamplingParams(temperature=0, max_tokens=20))
+    text, ids = "", []
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text += out.outputs[0].delta_text
+            ids += out.outputs[0].delta_token_ids
+            final = out
+    assert final.finished and text == final.outputs[0].text and ids == final.outputs[0].token_ids
+    m = final.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+    assert_all_blocks_free(llm)
+
+
+def test_bad_requests_raise_and_leave_the_engine_working(loaded):
+    llm = make_llm(loaded, kv_cache_memory=20 * KV_BYTES_PER_BLOCK)
+    engine = llm.engine
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request("hi", SamplingParams(max_tokens=20 * 16))  # can never fit the pool
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request([1, 2, 10**9], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine.add_request("hi", SamplingParams(max_tokens=4, logit_bias={10**9: 1.0}))
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
+    assert_all_blocks_free(llm)
+
+
+def test_abort_frees_blocks(loaded):
+    llm = make_llm(loaded)
+    engine = llm.engine
+    rid = engine.add_request("Count to one hundred: 1, 2, 3,", SamplingParams(max_tokens=50, ignore_eos=True))
+    other = engine.add_request("Another request", SamplingParams(n=2, max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.abort(rid) and engine.abort(other)
+    assert not engine.has_unfinished_requests()
+    assert_all_blocks_free(llm)
+
+
+def test_finished_status_names():
+    assert RequestStatus.FINISHED_LENGTH.finish_reason == "length"
+
+
+def test_logprobs_of_greedy_tokens(loaded):
+    llm = make_llm(loaded)
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=6, logprobs=3), use_tqdm=False)
+    c = out[0].outputs[0]
+    assert len(c.logprobs) == len(c.token_ids) == 6
+    for tok, entry in zip(c.token_ids, c.logprobs):
+        assert entry[tok].rank == 1  # greedy picks the most likely token
+        assert len(entry) == 3
+        values = [lp.logprob for lp in entry.values()]
+        assert max(values) == entry[tok].logprob <= 0.0
+        assert sorted((lp.rank for lp in entry.values())) == [1, 2, 3]
+    assert_all_blocks_free(llm)
