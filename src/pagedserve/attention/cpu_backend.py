@@ -27,9 +27,13 @@ from .metadata import AttentionMetadata
 # then skips the masked half of the chunk, and padding short queries up to its
 # length would multiply their work.
 PREFILL_MIN_QUERY_LEN = 16
-# What one more batched call costs, in key positions (x query length) of padded
-# work; measured as the fixed cost of a call (~0.1 ms) over the cost per position.
-GROUP_CALL_COST = 512
+# The cost model that groups short queries by context length, in units of one
+# sequence's key position: a call's fixed cost (~0.1 ms on one core) is worth about
+# this many of them (~0.25-0.5 us each) ...
+GROUP_CALL_COST = 256
+# ... and a query of up to this many tokens costs one pass over the keys, as
+# the kernel takes that many rows (x query heads per KV head) in one tile.
+QUERY_TOKENS_PER_PASS = 8
 
 # Unlike the public SDPA it also returns the log-sum-exp, which merging the two
 # halves of a prefill chunk needs; it reads K/V with fewer heads than Q (GQA) in place.
@@ -47,16 +51,21 @@ class ShortQueryGroup:
     q_rows: torch.Tensor  # [num_seqs * query_len]: q row of each padded query (pads repeat a real one)
     real_rows: torch.Tensor | None  # padded positions that hold real queries; None when all do
     out_rows: torch.Tensor  # the token rows those real queries are
-    bias: torch.Tensor | None  # [num_seqs, 1, query_len, keys], 0 or -inf; None when nothing is masked
-    folded_bias: dict[int, torch.Tensor] = field(default_factory=dict)
+    masked: torch.Tensor | None  # [num_seqs, 1, query_len, keys] bool; None when nothing is masked
+    biases: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
-    def bias_for(self, group_size: int) -> torch.Tensor | None:
-        """The mask with one row per (query token, query head of a KV head)."""
-        if self.bias is None or self.query_len == 1:
-            return self.bias  # a single query row broadcasts over the folded heads
-        if group_size not in self.folded_bias:
-            self.folded_bias[group_size] = self.bias.repeat_interleave(group_size, dim=2)
-        return self.folded_bias[group_size]
+    def bias_for(self, heads_per_kv: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The additive mask (0 or -inf) with one row per (query token, query head of a
+        KV head); built for the first layer, reused by the rest. An additive mask of the
+        query's dtype is what the kernel consumes; a boolean one is converted per call."""
+        if self.masked is None:
+            return None
+        key = (heads_per_kv, dtype)
+        if key not in self.biases:
+            # A single query row broadcasts over the folded heads; longer queries repeat each row.
+            rows = self.masked if self.query_len == 1 else self.masked.repeat_interleave(heads_per_kv, dim=2)
+            self.biases[key] = torch.zeros(rows.shape, dtype=dtype).masked_fill_(rows, float("-inf"))
+        return self.biases[key]
 
 
 @dataclass(slots=True)
@@ -82,12 +91,16 @@ class StepPlan:
 class CpuPagedAttention:
     """The default CPU backend.
 
-    `prepare(meta)` builds the step's gather indices and masks; the runner calls it
-    once per step, and `forward` reuses the result for every layer as long as it is
-    given the same metadata object (a new step must build a new one, never mutate
-    the old one in place). Gathered K/V land in a workspace kept between calls: a
-    fresh tensor of that size per layer would spend more time in page faults than
-    in the copy.
+    `prepare(meta)` builds the step's grouping, gather indices and masks once; every
+    layer's `forward` given the same metadata object reuses them. The first forward of
+    a step calls it if the runner has not, so a runner that only speaks the
+    AttentionBackend protocol gets the same reuse. A new step must come with a new
+    metadata object: one mutated in place would be served the old plan.
+
+    Gathered K/V land in a workspace kept between calls and layers: a fresh tensor of
+    that size per call costs page faults that outweigh the copy itself (the 200 MB
+    gather of 64 x 2,048-token decodes: ~24 ms into the workspace, ~170 ms into a
+    new tensor).
     """
 
     name = "cpu"
@@ -118,25 +131,31 @@ class CpuPagedAttention:
         plan = self.prepare(meta)
         write_kv(k, v, kv_cache, meta.slot_mapping)
         out = q.new_empty(q.shape[0], num_heads * q.shape[2])
-        gathered = self._workspace_for(kv_cache, plan.max_gathered_blocks)
+        workspace = self._workspace_for(kv_cache, plan.max_gathered_blocks)
         for group in plan.groups:
-            _attend_group(group, q, kv_cache, gathered, out, scale)
+            _attend_group(group, q, kv_cache, workspace, out, scale)
         for chunk in plan.prefills:
-            _attend_prefill(chunk, q, k, v, kv_cache, gathered, out, scale)
+            _attend_prefill(chunk, q, k, v, kv_cache, workspace, out, scale)
         return out
 
     def _workspace_for(self, kv_cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
-        """A [2, num_blocks, block_size, num_kv_heads, head_dim] buffer, reused across calls."""
-        shape = (2, num_blocks, *kv_cache.shape[2:])
-        numel = math.prod(shape)
-        if self._workspace.numel() < numel or self._workspace.dtype != kv_cache.dtype:
+        """A flat buffer for the K/V of `num_blocks` blocks, kept while it is big enough."""
+        numel = 2 * num_blocks * math.prod(kv_cache.shape[2:])
+        if (
+            self._workspace.numel() < numel
+            or self._workspace.dtype != kv_cache.dtype
+            # One made under inference_mode cannot be written outside it.
+            or self._workspace.is_inference() != torch.is_inference_mode_enabled()
+        ):
             self._workspace = torch.empty(numel, dtype=kv_cache.dtype)
-        return self._workspace[:numel].view(shape)
+        return self._workspace
 
 
 def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, workspace: torch.Tensor) -> torch.Tensor:
-    """K/V of `block_ids`, copied in order into the front of the workspace."""
-    buf = workspace[:, : block_ids.numel()]
+    """[2, len(block_ids), block_size, num_kv_heads, head_dim]: those blocks' K/V, in
+    order, copied into the front of the workspace."""
+    shape = (2, block_ids.numel(), *kv_cache.shape[2:])
+    buf = workspace[: math.prod(shape)].view(shape)
     torch.index_select(kv_cache, 1, block_ids, out=buf)
     return buf
 
@@ -167,7 +186,7 @@ def _attend_group(
         queries,
         kv[0].transpose(1, 2),  # [n, num_kv_heads, keys, head_dim], a strided view the kernel reads in place
         kv[1].transpose(1, 2),
-        attn_mask=group.bias_for(heads_per_kv),
+        attn_mask=group.bias_for(heads_per_kv, q.dtype),
         scale=scale,
     )
     rows = (
@@ -191,18 +210,25 @@ def _attend_prefill(
     scale: float,
 ) -> None:
     rows = slice(chunk.start, chunk.start + chunk.query_len)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = kv_cache.shape[-2]
     queries = q[rows].transpose(0, 1).unsqueeze(0)  # [1, num_heads, query_len, head_dim]
+    # Causal over the chunk itself, whose K/V are this step's k/v: nothing to gather,
+    # and the kernel skips the masked half.
     attended, lse = _flash_attention(
         queries, k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0), 0.0, True, scale=scale
     )
     if chunk.context_len:
         kv = _gather(kv_cache, chunk.block_ids, workspace)
-        kv = kv.reshape(2, 1, -1, *kv.shape[-2:])[:, :, : chunk.context_len]
+        kv = kv.view(2, 1, -1, num_kv_heads, head_dim)[:, :, : chunk.context_len]
+        # Every query sees all of the earlier context, so no mask, and the query heads of
+        # a KV head can share one pass over its keys: [1, num_kv_heads, heads_per_kv * query_len, head_dim].
+        folded = queries.reshape(1, num_kv_heads, -1, head_dim)
         earlier, earlier_lse = _flash_attention(
-            queries, kv[0].transpose(1, 2), kv[1].transpose(1, 2), 0.0, False, scale=scale
+            folded, kv[0].transpose(1, 2), kv[1].transpose(1, 2), 0.0, False, scale=scale
         )
-        attended = _merge(attended, lse, earlier, earlier_lse)
-    out[rows] = attended[0].transpose(0, 1).reshape(chunk.query_len, -1)
+        attended = _merge(attended, lse, earlier.reshape(attended.shape), earlier_lse.reshape(lse.shape))
+    out[rows] = attended[0].transpose(0, 1).reshape(chunk.query_len, num_heads * head_dim)
 
 
 def _merge(a: torch.Tensor, a_lse: torch.Tensor, b: torch.Tensor, b_lse: torch.Tensor) -> torch.Tensor:
@@ -239,8 +265,8 @@ def partition_by_length(meta: AttentionMetadata, seqs: list[int]) -> list[list[i
     """Group sequences so that padding to each group's longest costs the least.
 
     Sequences sorted by padded context length (longest first) are cut into runs by
-    dynamic programming; a run costs GROUP_CALL_COST plus its padded work
-    (members x longest context x longest query). Sequences of equal padded length
+    dynamic programming; a run costs GROUP_CALL_COST plus its padded work: members x
+    longest context x passes for its longest query. Sequences of equal padded length
     move as one item, so the search is quadratic in the number of distinct lengths.
     """
     bs = meta.block_size
@@ -249,18 +275,18 @@ def partition_by_length(meta: AttentionMetadata, seqs: list[int]) -> list[list[i
         buckets.setdefault(-(-meta.seq_lens_cpu[i] // bs) * bs, []).append(i)
     lengths = sorted(buckets, reverse=True)
     members = [buckets[n] for n in lengths]
-    max_q = [max(meta.query_lens_cpu[i] for i in m) for m in members]
-    best = [0.0] + [math.inf] * len(lengths)
+    sizes = [len(m) for m in members]
+    passes = [-(-max(meta.query_lens_cpu[i] for i in m) // QUERY_TOKENS_PER_PASS) for m in members]
+    best = [0] + [math.inf] * len(lengths)
     cut = [0] * (len(lengths) + 1)
     for end in range(1, len(lengths) + 1):
-        count = 0
-        qlen = 0
-        for start in range(end - 1, -1, -1):  # run = items start..end-1, longest is lengths[start]
-            count += len(members[start])
-            qlen = max(qlen, max_q[start])
-            work = GROUP_CALL_COST + count * lengths[start] * qlen
+        count = run_passes = 0
+        for start in range(end - 1, -1, -1):  # the run is items start..end-1; lengths[start] is its longest
+            count += sizes[start]
+            run_passes = max(run_passes, passes[start])
+            work = GROUP_CALL_COST + count * lengths[start] * run_passes
             if work >= best[end]:
-                break  # longer runs only add members, length and query rows
+                break  # reaching further back only adds members, length and passes
             if best[start] + work < best[end]:
                 best[end], cut[end] = best[start] + work, start
     runs: list[list[int]] = []
@@ -285,10 +311,7 @@ def _short_group(meta: AttentionMetadata, seqs: list[int]) -> ShortQueryGroup:
     # A padded query row sits past the end of its sequence, so it may see the whole
     # context: no row is entirely masked (which would make its softmax NaN).
     last_key = torch.minimum(seq_lens - qlens + offsets, seq_lens - 1)
-    masked = torch.arange(keys_len).view(1, 1, -1) > last_key.unsqueeze(-1)
-    bias = None
-    if bool(masked.any()):
-        bias = torch.zeros(masked.shape, dtype=torch.float32).masked_fill_(masked, float("-inf")).unsqueeze(1)
+    masked = (torch.arange(keys_len).view(1, 1, -1) > last_key.unsqueeze(-1)).unsqueeze(1)
 
     all_real = bool(real.all())
     return ShortQueryGroup(
@@ -299,5 +322,5 @@ def _short_group(meta: AttentionMetadata, seqs: list[int]) -> ShortQueryGroup:
         q_rows=rows.reshape(-1),
         real_rows=None if all_real else real.reshape(-1).nonzero().squeeze(1),
         out_rows=rows[real],
-        bias=bias,
+        masked=masked if bool(masked.any()) else None,
     )

@@ -1,0 +1,23 @@
+"""Attention backends by name."""
+from __future__ import annotations
+
+from .backend import AttentionBackend, ReferenceBackend
+from .cpu_backend import CpuPagedAttention
+
+_BACKENDS: dict[str, type] = {
+    CpuPagedAttention.name: CpuPagedAttention,
+    ReferenceBackend.name: ReferenceBackend,
+}
+DEFAULT_BACKEND = CpuPagedAttention.name
+
+
+def backend_names() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def get_backend(name: str | None = None) -> AttentionBackend:
+    """A new backend instance; `None` picks the default (the fast CPU one)."""
+    key = DEFAULT_BACKEND if name is None else name
+    if key not in _BACKENDS:
+        raise ValueError(f"attention backend must be one of {backend_names()}, got {name!r}")
+    return _BACKENDS[key]()
