@@ -75,9 +75,10 @@ def test_greedy_matches_reference_in_one_batch(loaded, reference_prompts, refere
         dict(),  # the default chunked scheduler, a roomy pool
         dict(max_num_batched_tokens=32, max_num_seqs=32),  # prefills cut into 32-token chunks
         dict(policy="continuous"),
+        dict(policy="static"),  # finished rows keep computing padding tokens
         dict(kv_cache_memory=40 * KV_BYTES_PER_BLOCK, max_num_batched_tokens=64, max_num_seqs=32),  # preemption
     ],
-    ids=["chunked", "small-chunks", "continuous", "preemption"],
+    ids=["chunked", "small-chunks", "continuous", "static", "preemption"],
 )
 def test_same_tokens_alone_and_in_a_busy_batch(loaded, options):
     llm = make_llm(loaded, **options)

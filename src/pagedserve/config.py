@@ -7,7 +7,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field, fields
 
-from .core.config import POLICIES, SCHEDULING_POLICIES
+from .core.config import POLICIES, SCHEDULING_POLICIES, whole_prompt_budget
 
 # Default token budget per step on a CPU. A step costs about 2 x params FLOPs per
 # token; at ~90 GFLOP/s (fp32, 2 cores) and ~0.2 GFLOP/token for a 135M model, a
@@ -57,9 +57,14 @@ class EngineConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-    @property
-    def effective_max_num_batched_tokens(self) -> int:
-        return self.max_num_batched_tokens or CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
+    def effective_max_num_batched_tokens(self, max_model_len: int) -> int:
+        """The flag if given; else 256 when prompts are chunked, and when they are not
+        (policies continuous, static, naive) a budget that holds a whole prompt, as vLLM."""
+        if self.max_num_batched_tokens:
+            return self.max_num_batched_tokens
+        if self.policy == "chunked" and self.enable_chunked_prefill:
+            return CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
+        return whole_prompt_budget(max_model_len, self.max_num_seqs)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

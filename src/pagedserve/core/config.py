@@ -10,6 +10,14 @@ from dataclasses import dataclass
 POLICIES = ("chunked", "continuous", "static", "naive")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 MAX_BLOCK_SIZE = 1024
+# Without chunked prefill a whole prompt must fit one step, so vLLM sizes the budget
+# to the context length (and at least 2048) when chunking is off.
+MIN_WHOLE_PROMPT_BUDGET = 2048
+
+
+def whole_prompt_budget(max_model_len: int, max_num_seqs: int) -> int:
+    """The default token budget of the policies that never chunk a prompt."""
+    return max(max_model_len, MIN_WHOLE_PROMPT_BUDGET, max_num_seqs)
 
 
 def _positive_int(name: str, value: object) -> None:

@@ -82,9 +82,10 @@ class LLMEngine:
         num_blocks = kv_memory // bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory ({kv_memory} bytes) is below one KV block ({bytes_per_block} bytes)")
+        budget = config.effective_max_num_batched_tokens(self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_num_batched_tokens=config.effective_max_num_batched_tokens,
+                max_num_batched_tokens=budget,
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
@@ -114,8 +115,7 @@ class LLMEngine:
             "model %s ready in %.1f s; KV cache %.2f GiB = %d blocks of %d tokens (%d tokens); "
             "max_model_len %d; token budget %d per step",
             self.loaded.name, time.perf_counter() - start, num_blocks * bytes_per_block / 2**30, num_blocks,
-            config.block_size, num_blocks * config.block_size, self.max_model_len,
-            config.effective_max_num_batched_tokens,
+            config.block_size, num_blocks * config.block_size, self.max_model_len, budget,
         )
 
     # -- requests in -------------------------------------------------------------------

@@ -93,6 +93,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .openai.args import server_config_from_args
+    from .openai.server import run_server
+
+    return run_server(server_config_from_args(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="An LLM serving engine.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -110,6 +117,18 @@ def build_parser() -> argparse.ArgumentParser:
     EngineConfig.add_cli_args(chat)
     _add_sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=cmd_chat)
+
+    from .openai.args import add_server_args
+
+    serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    add_server_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    from ..sim.cli import add_doctor_parser, add_kv_parser, add_sim_parser  # pure Python, no torch
+
+    add_sim_parser(sub)
+    add_kv_parser(sub)
+    add_doctor_parser(sub)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Workload generators shared by `pagedserve sim` and the load generator (no torch)."""

@@ -1,0 +1,446 @@
+"""The engine behind an event loop: one thread owns the LLMEngine, asyncio talks to it.
+
+LLMEngine is not thread-safe, so every add_request / abort / step happens on one
+dedicated thread. The event loop sends commands through a thread-safe queue and
+gets results back through `loop.call_soon_threadsafe`, one callback per engine
+iteration. The thread sleeps on the command queue while there is no work and
+steps back to back while there is.
+
+`engine.step()` hands back live objects whose deltas are reset by the next step,
+so the thread copies each step's news into frozen `RequestDelta`s before it
+posts them.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+from ..outputs import RequestMetrics, RequestOutput, TokenLogprobs
+from ..sampling_params import SamplingParams
+from .llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+# A step that has not returned for this long means the loop is stuck. A CPU step
+# takes well under a second at the default token budget; a minute leaves room for
+# bigger models and slow machines without hiding a hang for long.
+STALL_SECONDS = 60.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (it crashed or was shut down); no request can finish."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float  # time.monotonic() when the client's request arrived
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SampleDelta:
+    """What one step added to sample `index` of a request."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] | None  # one dict per token in token_ids
+    finish_reason: str | None  # set on the sample's last delta only
+    stop_reason: int | str | None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDelta:
+    request_id: str
+    samples: tuple[SampleDelta, ...]
+    finished: bool  # every sample of the request is done
+    time: float  # time.monotonic() at the end of the step
+    metrics: RequestMetrics | None  # a copy, on a request's last delta (None after an abort)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """Engine state after one iteration of the thread, for admission, health and metrics."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_adds_processed: int = 0
+    busy: bool = False
+    time: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequest:
+    finish_reason: str  # "abort" if any sample was aborted, else sample 0's reason
+    e2e_latency: float
+    queue_time: float | None  # None when it never got scheduled or was aborted
+    num_prompt_tokens: int
+
+
+@dataclass(slots=True)
+class StepStats:
+    """What one delivery from the engine thread means for the server's metrics."""
+
+    num_generation_tokens: int = 0
+    first_tokens: list[tuple[float, int]] = field(default_factory=list)  # (TTFT, prompt tokens)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequest] = field(default_factory=list)
+
+
+# -- commands: event loop -> engine thread ---------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request: GenerationRequest
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+@dataclass(slots=True)
+class _Live:
+    """Engine-thread bookkeeping of one request: which samples already reported their end."""
+
+    n: int
+    finished: set[int] = field(default_factory=set)
+
+
+# -- loop-side bookkeeping ----------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Entry:
+    stream: RequestStream | None  # None once the consumer has gone (aborted by it)
+    ack: asyncio.Future
+    arrival_time: float
+    num_prompt_tokens: int
+    last_token_time: float | None = None
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+
+
+class RequestStream:
+    """The deltas of a group of requests added together (one HTTP request, possibly
+    several prompts), in engine order. Iteration ends when all of them finished."""
+
+    def __init__(self, engine: AsyncEngine, request_ids: Sequence[str]):
+        self._engine = engine
+        self._unfinished = set(request_ids)
+        self._queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+        self._acks: list[asyncio.Future] = []
+
+    async def accepted(self) -> None:
+        """Return once the engine has taken every request of the group. If it rejected
+        any (ValueError, naming the problem), the others are aborted and the error raised;
+        cancelling the wait aborts them too."""
+        try:
+            errors = await asyncio.gather(*self._acks)
+        except BaseException:
+            self.abort()
+            raise
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            self.abort()
+            raise error
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def _put(self, item: RequestDelta | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    async def __aiter__(self) -> AsyncIterator[RequestDelta]:
+        while self._unfinished:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self._unfinished.clear()
+                raise item
+            if item.finished:
+                self._unfinished.discard(item.request_id)
+            yield item
+
+    def abort(self) -> None:
+        """Stop every unfinished request of the group and free its KV blocks; idempotent."""
+        for request_id in self._unfinished:
+            self._engine._abort(request_id, notify=False)
+        self._unfinished.clear()
+
+
+class AsyncEngine:
+    """Owns the engine thread; every public method must be called on the event loop."""
+
+    def __init__(self, engine: LLMEngine, on_step: Callable[[StepStats], None] | None = None):
+        self.engine = engine
+        self._on_step = on_step
+        # Constants read before the thread starts; afterwards only the thread touches the engine.
+        self.vocab_size: int = engine.loaded.config.vocab_size
+        stats = engine.stats()
+        self.kv_capacity_tokens: int = stats["kv_total_blocks"] * engine.config.block_size
+        # What one sequence can actually reach: the context limit, or the whole KV pool
+        # if that is smaller (the engine rejects a request that could never fit).
+        self.max_context_len: int = min(engine.max_model_len, self.kv_capacity_tokens)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._thread_main, name="pagedserve-engine", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._entries: dict[str, _Entry] = {}
+        self._num_adds_sent = 0
+        self._error: BaseException | None = None
+        self._closing = False
+        self._refusing = False
+        self.snapshot = EngineSnapshot(kv_usage=stats["kv_usage"])
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    async def close(self, timeout: float = 30.0) -> None:
+        """Abort what is left, stop the thread and wait for it (at most one step)."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._thread.is_alive():
+            self._commands.put(_STOP)
+            await asyncio.to_thread(self._thread.join, timeout)
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    # -- state ----------------------------------------------------------------------------
+
+    @property
+    def is_healthy(self) -> bool:
+        """The thread is alive, did not crash and, when it has work, is stepping."""
+        if self._error is not None or self._closing or not self._thread.is_alive():
+            return False
+        snap = self.snapshot
+        return not snap.busy or time.monotonic() - snap.time < STALL_SECONDS
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued in the engine plus those sent but not yet taken in by the thread."""
+        snap = self.snapshot
+        return snap.num_waiting + self._num_adds_sent - snap.num_adds_processed
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._entries)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> RequestStream:
+        """Queue `requests` to stream into one RequestStream; `await stream.accepted()`
+        learns whether the engine took them. Raises EngineDeadError if the thread is gone."""
+        if self._closing or self._refusing:
+            raise EngineDeadError("the server is shutting down")
+        if self._error is not None or self._loop is None:
+            raise EngineDeadError("the engine is not running")
+        for r in requests:
+            if r.request_id in self._entries:
+                raise ValueError(f"request_id {r.request_id!r} is already in use")
+        stream = RequestStream(self, [r.request_id for r in requests])
+        for r in requests:
+            ack = self._loop.create_future()
+            self._entries[r.request_id] = _Entry(stream, ack, r.arrival_time, len(r.prompt_token_ids))
+            stream._acks.append(ack)
+            self._num_adds_sent += 1
+            self._commands.put(_Add(r))
+        return stream
+
+    def abort_all(self) -> None:
+        """Shutdown: abort every request and take no new ones. Consumers still listening
+        get a last delta with finish_reason "abort"."""
+        self._refusing = True
+        for request_id in list(self._entries):
+            self._abort(request_id, notify=True)
+
+    def _abort(self, request_id: str, *, notify: bool) -> None:
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return
+        if not notify:
+            entry.stream = None
+        self._commands.put(_Abort(request_id))
+
+    # -- loop side of the bridge -------------------------------------------------------------
+
+    def _deliver(self, acks: list[tuple[str, Exception | None]], deltas: list[RequestDelta]) -> None:
+        for request_id, error in acks:
+            entry = self._entries.get(request_id)
+            if entry is None:
+                continue
+            if error is not None:
+                del self._entries[request_id]
+            if not entry.ack.done():
+                entry.ack.set_result(error)
+        stats = StepStats()
+        for delta in deltas:
+            entry = self._entries.get(delta.request_id)
+            if entry is None:
+                continue
+            self._account(entry, delta, stats)
+            if entry.stream is not None:
+                entry.stream._put(delta)
+            if delta.finished:
+                del self._entries[delta.request_id]
+        if self._on_step is not None and deltas:
+            self._on_step(stats)
+
+    @staticmethod
+    def _account(entry: _Entry, delta: RequestDelta, stats: StepStats) -> None:
+        num_tokens = 0
+        for sample in delta.samples:
+            num_tokens += len(sample.token_ids)
+            if sample.finish_reason is not None:
+                entry.finish_reasons[sample.index] = sample.finish_reason
+        if num_tokens:
+            stats.num_generation_tokens += num_tokens
+            if entry.last_token_time is None:
+                stats.first_tokens.append((delta.time - entry.arrival_time, entry.num_prompt_tokens))
+            else:
+                stats.inter_token_latencies.append(delta.time - entry.last_token_time)
+            entry.last_token_time = delta.time
+        if delta.finished:
+            reasons = entry.finish_reasons
+            m = delta.metrics
+            stats.finished.append(FinishedRequest(
+                finish_reason="abort" if "abort" in reasons.values() else reasons.get(0, "abort"),
+                e2e_latency=delta.time - entry.arrival_time,
+                queue_time=None if m is None or m.first_scheduled_time is None
+                else m.first_scheduled_time - entry.arrival_time,
+                num_prompt_tokens=entry.num_prompt_tokens,
+            ))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for entry in self._entries.values():
+            if not entry.ack.done():
+                entry.ack.set_exception(error)
+            elif entry.stream is not None:
+                entry.stream._put(error)
+        self._entries.clear()
+
+    def _on_thread_crash(self, error: BaseException) -> None:
+        self._error = error
+        self._fail_all(EngineDeadError("the engine stopped after an internal error"))
+
+    # -- the engine thread ------------------------------------------------------------------
+
+    def _thread_main(self) -> None:
+        engine = self.engine
+        live: dict[str, _Live] = {}
+        num_adds = 0
+        try:
+            while True:
+                # Block only when there is nothing to step.
+                commands = [] if engine.has_unfinished_requests() else [self._commands.get()]
+                while True:
+                    try:
+                        commands.append(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                acks: list[tuple[str, Exception | None]] = []
+                deltas: list[RequestDelta] = []
+                for command in commands:
+                    if command is _STOP:
+                        for request_id in live:
+                            engine.abort(request_id)
+                        return
+                    if isinstance(command, _Add):
+                        num_adds += 1
+                        acks.append(self._thread_add(command.request, live))
+                    else:
+                        aborted = self._thread_abort(command.request_id, live)
+                        if aborted is not None:
+                            deltas.append(aborted)
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    now = time.monotonic()
+                    deltas.extend(_delta(out, live, now) for out in outputs)
+                self.snapshot = _snapshot(engine, num_adds)
+                if acks or deltas:
+                    self._loop.call_soon_threadsafe(self._deliver, acks, deltas)
+        except BaseException as error:  # a bug: the server must report it, not hang
+            logger.exception("engine thread crashed")
+            self._loop.call_soon_threadsafe(self._on_thread_crash, error)
+
+    def _thread_add(self, r: GenerationRequest, live: dict[str, _Live]) -> tuple[str, Exception | None]:
+        try:
+            self.engine.add_request(
+                r.prompt_token_ids, r.params, request_id=r.request_id, priority=r.priority,
+                cache_salt=r.cache_salt, arrival_time=r.arrival_time,
+            )
+        except ValueError as error:
+            return r.request_id, error
+        except Exception as error:  # an engine bug must cost this request, not the thread
+            logger.exception("add_request failed for %s", r.request_id)
+            return r.request_id, error
+        live[r.request_id] = _Live(r.params.n)
+        return r.request_id, None
+
+    def _thread_abort(self, request_id: str, live: dict[str, _Live]) -> RequestDelta | None:
+        state = live.pop(request_id, None)
+        if state is None:  # already finished, or its add failed
+            return None
+        self.engine.abort(request_id)
+        samples = tuple(
+            SampleDelta(i, "", (), None, "abort", None) for i in range(state.n) if i not in state.finished
+        )
+        return RequestDelta(request_id, samples, True, time.monotonic(), None)
+
+
+def _delta(out: RequestOutput, live: dict[str, _Live], now: float) -> RequestDelta:
+    """Freeze what this step changed in `out` (its live objects change at the next step)."""
+    state = live[out.request_id]
+    samples = []
+    for c in out.outputs:
+        ends_now = c.finish_reason is not None and c.index not in state.finished
+        if not (c.delta_token_ids or c.delta_text or ends_now):
+            continue
+        num_new = len(c.delta_token_ids)
+        logprobs = None
+        if c.logprobs is not None and num_new:
+            logprobs = tuple(dict(entry) for entry in c.logprobs[-num_new:])
+        if ends_now:
+            state.finished.add(c.index)
+        samples.append(SampleDelta(
+            c.index, c.delta_text, tuple(c.delta_token_ids), logprobs,
+            c.finish_reason if ends_now else None, c.stop_reason if ends_now else None,
+        ))
+    metrics = None
+    if out.finished:
+        del live[out.request_id]
+        metrics = dataclasses.replace(out.metrics)
+    return RequestDelta(out.request_id, tuple(samples), out.finished, now, metrics)
+
+
+def _snapshot(engine: LLMEngine, num_adds: int) -> EngineSnapshot:
+    s = engine.stats()
+    return EngineSnapshot(
+        num_running=s["num_running"],
+        num_waiting=s["num_waiting"],
+        kv_usage=s["kv_usage"],
+        num_preemptions=s["num_preemptions"],
+        prefix_cache_queries=s["prefix_cache_queries"],
+        prefix_cache_hits=s["prefix_cache_hits"],
+        num_adds_processed=num_adds,
+        busy=engine.has_unfinished_requests(),
+    )

@@ -1,0 +1,94 @@
+"""`pagedserve serve` options: the server's own flags plus every EngineConfig flag.
+
+Kept free of web-framework imports so building the CLI parser stays cheap.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from ...config import EngineConfig, parse_memory
+from ...sampling_params import MAX_LOGPROBS
+
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+
+
+@dataclass
+class ServerConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: list[str] | None = None  # default: the model's own name
+    api_key: str | None = field(default=None, repr=False)
+    allowed_origins: list[str] = field(default_factory=list)  # CORS off when empty
+    max_queued_requests: int = 512
+    max_n: int = 16
+    max_logprobs: int = MAX_LOGPROBS
+    max_request_body_size: int = 4 << 20
+    shutdown_timeout: float = 30.0
+    uvicorn_log_level: str = "info"
+    disable_uvicorn_access_log: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("max_queued_requests", "max_n", "max_request_body_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty")
+
+    def describe(self) -> dict:
+        """The effective configuration, safe to print: the API key is never shown."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("engine", "api_key")}
+        out["api_key"] = "<set>" if self.api_key else None
+        out["engine"] = self.engine.describe()
+        return out
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    d = ServerConfig()
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default=d.host, help=f"address to bind (default {d.host})")
+    g.add_argument("--port", type=int, default=d.port)
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use; responses carry the first (default: the model's name)")
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize (or set {API_KEY_ENV})")
+    g.add_argument("--allowed-origins", nargs="+", default=[], help="CORS origins to allow (default: CORS off)")
+    g.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                   help="answer 429 once this many requests wait for the engine")
+    g.add_argument("--max-n", type=int, default=d.max_n, help="largest n a request may ask for")
+    g.add_argument("--max-logprobs", type=int, default=d.max_logprobs, help="largest logprobs / top_logprobs")
+    g.add_argument("--max-request-body-size", type=parse_memory, default=d.max_request_body_size,
+                   help="bodies above this get 413 (default 4MiB)")
+    g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    g.add_argument("--uvicorn-log-level", default=d.uvicorn_log_level,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log one line per HTTP request")
+    EngineConfig.add_cli_args(parser)
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        engine=EngineConfig.from_cli_args(args),
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
+        allowed_origins=args.allowed_origins,
+        max_queued_requests=args.max_queued_requests,
+        max_n=args.max_n,
+        max_logprobs=args.max_logprobs,
+        max_request_body_size=args.max_request_body_size,
+        shutdown_timeout=args.shutdown_timeout,
+        uvicorn_log_level=args.uvicorn_log_level,
+        disable_uvicorn_access_log=args.disable_uvicorn_access_log,
+    )

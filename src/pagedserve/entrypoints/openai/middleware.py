@@ -1,0 +1,90 @@
+"""ASGI middleware: API-key check and request-body size limit.
+
+Both are plain ASGI (not Starlette's BaseHTTPMiddleware), so streaming responses
+and disconnect messages pass through untouched.
+"""
+from __future__ import annotations
+
+import hmac
+import posixpath
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .protocol import APIError
+
+# The only paths served without a key. Everything else needs one, whatever the
+# route table says: deny by default, so a new route or an odd spelling of an old
+# one (//v1/..., /V1/..., /v1/./...) cannot be reached without the key.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+
+def normalize_path(path: str) -> str:
+    """Collapse repeated slashes and dot segments, lower-case, drop a trailing slash."""
+    normal = posixpath.normpath("/" + path.lstrip("/")).lower()
+    return "/" + normal.lstrip("/")
+
+
+class APIKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self._key = api_key.encode("utf-8")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and normalize_path(scope["path"]) not in OPEN_PATHS and not self._authorized(scope):
+            error = APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                # compare_digest takes as long for any wrong key of a given length.
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+        return False
+
+
+class BodyLimitMiddleware:
+    """Read the whole body first (at most `limit` bytes) and replay it to the app; 413 beyond."""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app = app
+        self._limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self._limit:
+                await self._too_large(scope, receive, send)
+                return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left mid-body
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self._limit:
+                await self._too_large(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: only http.disconnect
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = APIError(413, f"the request body is over the limit of {self._limit} bytes", code="request_too_large")
+        await error.response()(scope, receive, send)

@@ -1,0 +1,228 @@
+"""The OpenAI-compatible HTTP server: app factory, uvicorn runner, graceful SIGTERM.
+
+On SIGTERM (or Ctrl-C) the server stops admitting (new requests get 503), lets
+in-flight requests finish for up to `--shutdown-timeout` seconds, aborts the rest
+(their responses end with finish_reason "abort"), then exits 0. A second signal
+skips the wait.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ... import __version__
+from ...engine.async_engine import AsyncEngine, EngineDeadError
+from ...engine.llm_engine import LLMEngine
+from .args import ServerConfig
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .middleware import APIKeyMiddleware, BodyLimitMiddleware
+from .protocol import APIError, DetokenizeRequest, RequestLimits, TokenizeRequest, check_token_ids, \
+    messages_as_dicts, parse_body, validation_error
+from .serving import Admission, OpenAIServing
+from .serving_chat import ChatServing
+from .serving_completions import CompletionServing
+
+logger = logging.getLogger("pagedserve.server")
+
+# Tokenising and template rendering run here; two threads keep up with one engine
+# on a small machine without starving the engine thread of cores.
+_TOKENIZER_THREADS = 2
+# After the shutdown timeout, how long aborted responses get to reach their clients.
+_ABORTED_RESPONSES_GRACE_S = 5.0
+
+
+def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
+    """The ASGI app around `engine`. The engine thread starts and stops with the app's lifespan."""
+    model_names = config.served_model_name or [engine.loaded.name]
+    metrics = ServerMetrics(model_names[0])
+    async_engine = AsyncEngine(engine, on_step=metrics.on_step)
+    metrics.watch(async_engine)
+    admission = Admission(async_engine, config.max_queued_requests)
+    executor = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="pagedserve-tokenize")
+    limits = RequestLimits(config.max_n, config.max_logprobs, async_engine.vocab_size)
+    args = (async_engine, admission, limits, model_names, executor)
+    completions, chat, common = CompletionServing(*args), ChatServing(*args), OpenAIServing(*args)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await async_engine.close()
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine = async_engine
+    app.state.admission = admission
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        return await completions.create(request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        return await chat.create(request)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "pagedserve",
+             "root": engine.loaded.name, "max_model_len": async_engine.max_context_len}
+            for name in model_names
+        ]})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        req = parse_body(await request.body(), TokenizeRequest)
+        common.resolve_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if req.prompt is not None:
+            tokens = await common.off_loop(common.tokenizer.encode, req.prompt, req.add_special_tokens)
+        else:
+            tokens = await common.off_loop(chat.render, messages_as_dicts(req.messages), req.add_generation_prompt)
+        return JSONResponse({"count": len(tokens), "max_model_len": async_engine.max_context_len, "tokens": tokens})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        req = parse_body(await request.body(), DetokenizeRequest)
+        common.resolve_model(req.model)
+        check_token_ids(req.tokens, async_engine.vocab_size, "tokens")
+        return JSONResponse({"prompt": await common.off_loop(common.tokenizer.decode, req.tokens)})
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = async_engine.is_healthy and not admission.draining
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    _add_error_handlers(app)
+    # Added innermost first: requests pass CORS, then the key check, then the body limit.
+    app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_size)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials=False)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def request_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        return error.response()
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return APIError(503, str(exc), code="engine_unavailable").response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        # Details go to the log, never to the client.
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return APIError(500, "internal server error").response()
+
+
+async def drain(app: FastAPI, timeout: float, *, skip_wait: asyncio.Event) -> None:
+    """Stop admitting, give in-flight requests `timeout` seconds, then abort the rest."""
+    admission: Admission = app.state.admission
+    engine: AsyncEngine = app.state.engine
+    admission.draining = True
+    logger.info("shutting down: %d requests in flight, waiting up to %.0f s", admission.num_active, timeout)
+    idle = asyncio.ensure_future(admission.wait_idle())
+    skip = asyncio.ensure_future(skip_wait.wait())
+    await asyncio.wait((idle, skip), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    skip.cancel()
+    if not idle.done():
+        logger.info("aborting %d requests still in flight", engine.num_unfinished)
+        engine.abort_all()
+        # Aborted responses end at once unless a client stopped reading; do not wait on those.
+        await asyncio.wait((idle,), timeout=_ABORTED_RESPONSES_GRACE_S)
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn that drains on SIGTERM/SIGINT and exits 0 (no re-raised signal)."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, shutdown_timeout: float):
+        super().__init__(config)
+        self._app = app
+        self._shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._skip_wait: asyncio.Event | None = None
+        self._draining = False
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._skip_wait = asyncio.Event()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._loop is None or not self.started:
+            self.should_exit = True
+            return
+        if self._draining:
+            self._loop.call_soon_threadsafe(self._skip_wait.set)
+            return
+        self._draining = True
+        logger.info("received %s", signal.Signals(sig).name)
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit()))
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await drain(self._app, self._shutdown_timeout, skip_wait=self._skip_wait)
+        finally:
+            self.should_exit = True
+
+
+def run_server(config: ServerConfig) -> int:
+    print("pagedserve serve: effective configuration\n" + json.dumps(config.describe(), indent=2, default=str),
+          flush=True)
+    engine = LLMEngine(config.engine)
+    app = build_app(engine, config)
+    async_engine: AsyncEngine = app.state.engine
+    logger.info("serving %s as %s on http://%s:%d; context %d tokens (KV cache holds %d)",
+                engine.loaded.name, config.served_model_name or [engine.loaded.name], config.host, config.port,
+                async_engine.max_context_len, async_engine.kv_capacity_tokens)
+    uv_config = uvicorn.Config(
+        app, host=config.host, port=config.port, loop="auto", http="auto", lifespan="on",
+        log_level=config.uvicorn_log_level, access_log=not config.disable_uvicorn_access_log,
+        # Only sockets still open after the drain are waited for; responses have ended by then.
+        timeout_graceful_shutdown=5,
+    )
+    GracefulServer(uv_config, app, config.shutdown_timeout).run()
+    return 0

@@ -1,0 +1,273 @@
+"""What both generation endpoints share: admission, off-loop tokenisation, context
+checks, handing requests to the engine, SSE framing and client-disconnect handling.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from ...engine.async_engine import AsyncEngine, EngineDeadError, GenerationRequest, RequestDelta, RequestStream, \
+    SampleDelta
+from ...outputs import TokenLogprobs
+from .protocol import APIError, RequestLimits, bad_request
+
+T = TypeVar("T")
+SSE_DONE = "data: [DONE]\n\n"
+# OpenAI-style clients parse logprobs as JSON numbers; -inf is not one.
+_MIN_LOGPROB = -9999.0
+# nginx's "client closed request": logged for requests whose client left first.
+_CLIENT_CLOSED = 499
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def finite_logprob(value: float) -> float:
+    return value if math.isfinite(value) else _MIN_LOGPROB
+
+
+# -- admission ------------------------------------------------------------------------------
+
+
+class Admission:
+    """Who may start generating: not while draining (503), not past the queue limit (429).
+
+    Counts requests being tokenised as waiting too, so a burst cannot slip past the
+    limit while its prompts are still in the thread pool.
+    """
+
+    def __init__(self, engine: AsyncEngine, max_queued_requests: int):
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.draining = False
+        self._preparing = 0
+        self._active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def num_active(self) -> int:
+        return self._active
+
+    def admit(self, num_requests: int) -> Seat:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        if not self.engine.is_healthy:
+            raise APIError(503, "the engine is not running", code="engine_unavailable")
+        waiting = self.engine.num_waiting + self._preparing
+        if waiting >= self.max_queued_requests:
+            raise APIError(
+                429, f"{waiting} requests are already waiting (limit {self.max_queued_requests}); retry later",
+                code="rate_limit_exceeded", headers={"Retry-After": "1"},
+            )
+        self._preparing += num_requests
+        self._active += 1
+        self._idle.clear()
+        return Seat(self, num_requests)
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    def _release(self, num_preparing: int) -> None:
+        self._preparing -= num_preparing
+        self._active -= 1
+        if self._active == 0:
+            self._idle.set()
+
+    def _submitted(self, num_requests: int) -> None:
+        self._preparing -= num_requests
+
+
+class Seat:
+    """One admitted HTTP request: its place in the queue count and, once started, its
+    engine requests. Closing it (exactly once, however the request ends) aborts what
+    is unfinished. Used as a context manager that closes unless handed to a response."""
+
+    def __init__(self, admission: Admission, num_requests: int):
+        self._admission = admission
+        self._num_requests = num_requests
+        self._preparing = True
+        self._closed = False
+        self._handed_over = False
+        self.stream: RequestStream | None = None
+
+    def attach(self, stream: RequestStream) -> None:
+        self.stream = stream
+        self._preparing = False
+        self._admission._submitted(self._num_requests)
+
+    def hand_over(self) -> None:
+        self._handed_over = True
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.stream is not None:
+            self.stream.abort()
+        self._admission._release(self._num_requests if self._preparing else 0)
+
+    def __enter__(self) -> Seat:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._handed_over:
+            self.close()
+
+
+# -- per-choice accumulation ------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """One choice's text and tokens so far (prompt p, sample s -> choice p * n + s)."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChoiceTracker:
+    """Maps a group's deltas to OpenAI choice indices and keeps usage counts."""
+
+    def __init__(self, request_ids: Sequence[str], n: int, num_prompt_tokens: int, keep_output: bool):
+        self._prompt_of = {rid: i for i, rid in enumerate(request_ids)}
+        self._n = n
+        self._keep = keep_output
+        self.choices = [ChoiceState(i) for i in range(len(request_ids) * n)]
+        self.num_prompt_tokens = num_prompt_tokens
+
+    def update(self, delta: RequestDelta) -> list[tuple[ChoiceState, SampleDelta]]:
+        """Apply a delta; return (choice, sample delta) for each sample it touched."""
+        base = self._prompt_of[delta.request_id] * self._n
+        touched = []
+        for sample in delta.samples:
+            choice = self.choices[base + sample.index]
+            choice.num_tokens += len(sample.token_ids)
+            if self._keep:
+                choice.text.append(sample.text)
+                choice.token_ids.extend(sample.token_ids)
+                if sample.logprobs:
+                    choice.logprobs.extend(sample.logprobs)
+            if sample.finish_reason is not None:
+                choice.finish_reason, choice.stop_reason = sample.finish_reason, sample.stop_reason
+            touched.append((choice, sample))
+        return touched
+
+    def usage(self) -> dict[str, int]:
+        completion = sum(c.num_tokens for c in self.choices)
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.num_prompt_tokens + completion}
+
+
+# -- the shared handler plumbing ----------------------------------------------------------------
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that closes its Seat however it ends: done,
+    client gone (Starlette cancels the body) or never started."""
+
+    def __init__(self, events: AsyncIterator[str], seat: Seat):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._seat = seat
+        seat.hand_over()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._seat.close()
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, admission: Admission, limits: RequestLimits,
+                 model_names: Sequence[str], executor: Executor):
+        self.engine = engine
+        self.admission = admission
+        self.limits = limits
+        self.model_names = tuple(model_names)
+        self.tokenizer = engine.engine.tokenizer
+        self._executor = executor
+
+    def resolve_model(self, name: str | None) -> str:
+        """The name responses carry; 404 for a model this server does not serve."""
+        if name is not None and name not in self.model_names:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {list(self.model_names)}",
+                           param="model", code="model_not_found")
+        return self.model_names[0]
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run CPU work (tokenising, template rendering) in the pool, not on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def room_for_output(self, num_prompt_tokens: int, max_tokens: int | None, *, prompt_param: str = "prompt",
+                        max_tokens_param: str = "max_tokens") -> int:
+        """max_tokens checked against the context (or, when None, all the room left)."""
+        limit = self.engine.max_context_len
+        if num_prompt_tokens >= limit:
+            raise APIError(
+                400, f"this model's maximum context length is {limit} tokens, but the prompt has "
+                     f"{num_prompt_tokens} tokens, which leaves no room to generate",
+                param=prompt_param, code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            return limit - num_prompt_tokens
+        if num_prompt_tokens + max_tokens > limit:
+            raise APIError(
+                400, f"this model's maximum context length is {limit} tokens, but the prompt has {num_prompt_tokens} "
+                     f"tokens and {max_tokens_param} is {max_tokens} ({num_prompt_tokens + max_tokens} in all)",
+                param=max_tokens_param, code="context_length_exceeded",
+            )
+        return max_tokens
+
+    async def start(self, seat: Seat, requests: Sequence[GenerationRequest]) -> RequestStream:
+        """Hand `requests` to the engine under `seat`; 400 if the engine rejects one."""
+        try:
+            stream = self.engine.submit(requests)
+            # From here the engine's queue counts them, and closing the seat aborts them.
+            seat.attach(stream)
+            await stream.accepted()
+        except ValueError as e:
+            raise bad_request(e) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_unavailable") from None
+        return stream
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T | Response:
+    """Await `work` unless the client leaves first; then cancel it (which aborts its
+    engine requests) and return a 499 no one will read."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        task.cancel()  # no-op when it is done
+    if task.done() and not task.cancelled():
+        return task.result()
+    return Response(status_code=_CLIENT_CLOSED)
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def engine_failure_event(error: EngineDeadError) -> str:
+    return sse(APIError(503, str(error), code="engine_unavailable").body())

@@ -1,0 +1,237 @@
+"""argparse wiring for `pagedserve sim`, `pagedserve kv` and `pagedserve doctor`."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from ..bench.datasets import add_dataset_args, dataset_from_args
+from ..config import parse_memory
+from ..core.config import POLICIES
+from .cost_model import DTYPE_BYTES, DTYPES
+from .hardware import HARDWARE_NAMES
+from .models import MODELS
+
+SUMMARY_COLUMNS = (
+    ("output tok/s", "output_throughput", "{:,.0f}"),
+    ("mean TTFT ms", "mean_ttft_ms", "{:,.0f}"),
+    ("p99 TTFT ms", "p99_ttft_ms", "{:,.0f}"),
+    ("mean ITL ms", "mean_itl_ms", "{:.1f}"),
+    ("p99 ITL ms", "p99_itl_ms", "{:.1f}"),
+    ("goodput tok/s", "goodput", "{:,.0f}"),
+    ("KV use", "mean_kv_usage", "{:.0%}"),
+    ("KV waste", "kv_waste", "{:.2%}"),
+    ("preempt", "num_preemptions", "{:d}"),
+)
+
+
+def _add_setup_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hardware", choices=HARDWARE_NAMES, default="h100-sxm5")
+    p.add_argument("--model", default="llama-3.3-70b", help=f"{', '.join(MODELS)}, or a config.json / .gguf path")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16", help="weight dtype")
+    p.add_argument("--kv-cache-dtype", choices=DTYPES, default=None, help="default: as --dtype")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="chunked policy's token budget (default 512); whole-prompt policies use max(max_model_len, 2048)")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's, capped at the KV pool")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-memory", type=parse_memory, default=None, help="KV pool bytes, overriding the memory plan")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+
+
+def add_sim_parser(sub) -> None:
+    p = sub.add_parser("sim", help="simulate the scheduler on a hardware/model cost model")
+    _add_setup_args(p)
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, from " + ", ".join(POLICIES))
+    p.add_argument("--concurrency", type=int, default=None, help="most requests in flight (closed loop)")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
+    p.add_argument("--goodput-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--goodput-itl-ms", type=float, default=100.0)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", metavar="DIR", help="write timeline and ITL PNGs here")
+    add_dataset_args(p)
+    p.set_defaults(func=cmd_sim)
+    sim_sub = p.add_subparsers(dest="sim_command")
+    cal = sim_sub.add_parser("calibrate", help="measure this CPU for --hardware cpu-local")
+    cal.set_defaults(func=cmd_calibrate)
+    twin = sim_sub.add_parser("twin", help="the real engine vs the simulator on a small workload")
+    twin.add_argument("--num-prompts", type=int, default=24)
+    twin.add_argument("--policies", default=",".join(POLICIES))
+    twin.add_argument("--seed", type=int, default=0)
+    twin.add_argument("--json", action="store_true")
+    twin.set_defaults(func=cmd_twin)
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from .metrics import SLO
+    from .scenario import build_scenario
+    from .simulator import simulate
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad or not policies:
+        raise ValueError(f"policies must be a comma-separated subset of {', '.join(POLICIES)}; got {args.policies!r}")
+    sc = build_scenario(args.model, args.hardware, args.dtype, args.kv_cache_dtype, args.tp, args.block_size,
+                        args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len,
+                        args.gpu_memory_utilization, args.kv_cache_memory, args.enable_prefix_caching)
+    requests = dataset_from_args(args)
+    slo = SLO(args.goodput_ttft_ms / 1e3, args.goodput_itl_ms / 1e3)
+    results = {p: simulate(requests, sc.cost, sc.sim_config(p, args.concurrency, args.request_rate, args.seed))
+               for p in policies}
+    summaries = {p: r.summary(slo) for p, r in results.items()}
+    plan = sc.plan
+    setup = {
+        "hardware": args.hardware, "model": args.model, "dtype": args.dtype,
+        "kv_cache_dtype": sc.cost.kv_dtype, "tp": args.tp, "num_blocks": plan.num_blocks,
+        "kv_pool_gib": plan.kv_pool_bytes / 2**30, "weights_gib": plan.weight_bytes / 2**30,
+        "kv_pool_tokens": plan.num_tokens, "max_model_len": sc.max_model_len,
+        "budgets": {p: sc.budget(p) for p in policies}, "concurrency": args.concurrency,
+        "dataset": args.dataset_name, "num_prompts": len(requests),
+    }
+    if args.plot:
+        from .plot import write_plots
+
+        setup["plots"] = [str(x) for x in write_plots(results, args.plot)]
+    if args.json:
+        print(json.dumps({"setup": setup, "results": summaries}, indent=2))
+        return 0
+    print(f"{args.model} ({args.dtype} weights, {sc.cost.kv_dtype} KV, tp={args.tp}) on {args.hardware}: "
+          f"weights {plan.weight_bytes / 2**30:.1f} GiB/GPU, KV pool {plan.kv_pool_bytes / 2**30:.2f} GiB = "
+          f"{plan.num_blocks:,} blocks x {plan.block_size} = {plan.num_tokens:,} tokens; max_model_len {sc.max_model_len:,}")
+    print(f"workload: {args.dataset_name}, {len(requests)} requests, concurrency {args.concurrency or 'unlimited'}, "
+          f"rate {args.request_rate}/s; budgets {setup['budgets']}")
+    header = f"{'policy':<11}" + "".join(f"{name:>15}" for name, _, _ in SUMMARY_COLUMNS)
+    print(header)
+    for p, s in summaries.items():
+        print(f"{p:<11}" + "".join(f"{fmt.format(s[key]):>15}" for _, key, fmt in SUMMARY_COLUMNS))
+    if args.plot:
+        print("plots:", ", ".join(setup["plots"]))
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from .twin import calibrate
+
+    cal, path = calibrate()
+    print(f"matmul {cal.matmul_flops / 1e9:.1f} GFLOP/s fp32, memory bandwidth {cal.mem_bandwidth / 1e9:.1f} GB/s, "
+          f"step overhead {cal.step_overhead_s * 1e3:.2f} ms, {cal.num_threads} threads -> {path}")
+    return 0
+
+
+def cmd_twin(args: argparse.Namespace) -> int:
+    from .twin import twin
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    rows = twin(args.num_prompts, policies, args.seed)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'policy':<11}{'engine tok/s':>14}{'sim tok/s':>12}{'sim/engine':>12}{'engine s':>10}{'sim s':>8}")
+    for r in rows:
+        print(f"{r['policy']:<11}{r['engine_output_throughput']:>14.1f}{r['sim_output_throughput']:>12.1f}"
+              f"{r['ratio']:>12.2f}{r['engine_duration_s']:>10.2f}{r['sim_duration_s']:>8.2f}")
+    return 0
+
+
+def add_kv_parser(sub) -> None:
+    p = sub.add_parser("kv", help="KV-cache sizing and fragmentation arithmetic")
+    kv_sub = p.add_subparsers(dest="kv_command", required=True)
+    size = kv_sub.add_parser("size", help="KV bytes per token / sequence, and what a memory budget holds")
+    size.add_argument("--model", default=None, help=f"{', '.join(MODELS)}, or a config.json / .gguf path")
+    size.add_argument("--layers", type=int, default=None, help="KV-bearing (full-attention) layers; overrides --model")
+    size.add_argument("--kv-heads", type=int, default=None)
+    size.add_argument("--head-dim", type=int, default=None)
+    size.add_argument("--dtype", choices=DTYPES, default="bf16")
+    size.add_argument("--tokens", type=int, default=8192)
+    size.add_argument("--memory", type=parse_memory, default=None, help="bytes, e.g. 40GiB")
+    size.add_argument("--json", action="store_true")
+    size.set_defaults(func=cmd_kv_size)
+    w = kv_sub.add_parser("waste", help="contiguous reservation vs paged blocks")
+    w.add_argument("--requests", type=int, default=1000)
+    w.add_argument("--mean", type=float, default=1500)
+    w.add_argument("--std", type=float, default=600)
+    w.add_argument("--max-len", type=int, default=8192)
+    w.add_argument("--block-size", type=int, default=16)
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--json", action="store_true")
+    w.set_defaults(func=cmd_kv_waste)
+
+
+def cmd_kv_size(args: argparse.Namespace) -> int:
+    from .kv_calc import kv_size
+    from .models import load_model
+
+    m = load_model(args.model) if args.model else None
+    layers = args.layers or (m.num_layers if m else None)
+    heads = args.kv_heads or (m.num_kv_heads if m else None)
+    head_dim = args.head_dim or (m.head_dim if m else None)
+    if None in (layers, heads, head_dim):
+        raise ValueError("model is required unless --layers, --kv-heads and --head-dim are all given")
+    r = kv_size(layers, heads, head_dim, DTYPE_BYTES[args.dtype], args.tokens, args.memory)
+    print(json.dumps(r.to_dict(), indent=2) if args.json else r.explain())
+    return 0
+
+
+def cmd_kv_waste(args: argparse.Namespace) -> int:
+    from .kv_calc import waste
+
+    r = waste(args.requests, args.mean, args.std, args.max_len, args.block_size, args.seed)
+    print(json.dumps(r.to_dict(), indent=2) if args.json else r.explain())
+    return 0
+
+
+def add_doctor_parser(sub) -> None:
+    from .doctor import ServeConfig
+
+    p = sub.add_parser("doctor", help="diagnose a serving configuration")
+    p.add_argument("--config", help="a JSON (or YAML, with PyYAML) file of serve flags; flags given here win")
+    d = ServeConfig()
+    p.add_argument("--model", help=f"default {d.model}")
+    p.add_argument("--hardware", choices=HARDWARE_NAMES)
+    p.add_argument("--dtype", choices=DTYPES)
+    p.add_argument("--kv-cache-dtype", choices=DTYPES)
+    p.add_argument("--tensor-parallel-size", "--tp", dest="tensor_parallel_size", type=int)
+    p.add_argument("--pipeline-parallel-size", type=int)
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--gpu-memory-utilization", type=float)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--speculative-config", help='JSON, e.g. {"method": "eagle3", "num_speculative_tokens": 3}')
+    p.add_argument("--vllm-version", help="check the speculative options against this version")
+    p.add_argument("--itl-target-ms", type=float)
+    p.add_argument("--simulate", action="store_true", help="quantify each fix with the simulator")
+    p.add_argument("--concurrency", type=int, default=None, help="--simulate: requests in flight")
+    p.add_argument("--json", action="store_true")
+    add_dataset_args(p)
+    p.set_defaults(func=cmd_doctor)
+
+
+DOCTOR_KEYS = ("model", "hardware", "dtype", "kv_cache_dtype", "tensor_parallel_size", "pipeline_parallel_size",
+               "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
+               "enable_chunked_prefill", "enable_prefix_caching", "speculative_config", "vllm_version", "itl_target_ms")
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import ServeConfig, diagnose, load_config_file, quantify
+
+    values = load_config_file(args.config) if args.config else {}
+    values.update({k: getattr(args, k) for k in DOCTOR_KEYS if getattr(args, k) is not None})
+    cfg = ServeConfig.from_mapping(values)
+    findings = diagnose(cfg)
+    if args.simulate:
+        quantify(cfg, findings, dataset_from_args(args), args.concurrency)
+    if args.json:
+        print(json.dumps([f.to_dict() for f in findings], indent=2))
+        return 0
+    if not findings:
+        print("no findings: the configuration is consistent")
+    for f in findings:
+        print(f"[{f.severity.upper()}] {f.id}: {f.message}\n    fix: {f.fix}")
+        if f.impact:
+            print(f"    simulated: {json.dumps(f.impact)}")
+    return 0

@@ -1,0 +1,93 @@
+"""Latency and throughput arithmetic shared by the simulator and the twin check.
+
+Definitions follow `vllm bench serve`: TTFT = first token time - send time; ITL = gap
+between consecutive tokens of one request (all gaps of all requests pooled);
+TPOT = (last - first token) / (outputs - 1) per request. Percentiles interpolate
+linearly between order statistics (numpy's default). Goodput, as the seed defines
+it: output tokens per second from requests that met both their TTFT target and their
+ITL target (the request's TPOT, its mean ITL, at most the ITL target).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """q in [0, 100]; linear interpolation between the closest ranks; NaN for no values."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in [0, 100], got {q!r}")
+    if not values:
+        return math.nan
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    send_time: float
+    prompt_len: int
+    output_len: int
+    token_times: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.send_time
+
+    @property
+    def itls(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+
+@dataclass(frozen=True, slots=True)
+class SLO:
+    ttft_s: float = 2.0
+    itl_s: float = 0.1
+
+
+def summarize(records: Sequence[RequestRecord], duration: float, slo: SLO = SLO()) -> dict[str, float]:
+    """The benchmark summary for finished requests over `duration` seconds of wall (or simulated) time."""
+    if duration <= 0:
+        raise ValueError(f"duration must be > 0, got {duration!r}")
+    done = [r for r in records if r.token_times]
+    ttfts = [r.ttft for r in done]
+    itls = [x for r in done for x in r.itls]
+    tpots = [t for r in done if (t := r.tpot) is not None]
+    out_tokens = sum(len(r.token_times) for r in done)
+    good = [r for r in done if r.ttft <= slo.ttft_s and (r.tpot is None or r.tpot <= slo.itl_s)]
+    ms = 1e3
+
+    def mean(xs: Sequence[float]) -> float:
+        return statistics.fmean(xs) if xs else math.nan
+
+    return {
+        "completed": len(done),
+        "duration_s": duration,
+        "total_input_tokens": sum(r.prompt_len for r in done),
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(done) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (out_tokens + sum(r.prompt_len for r in done)) / duration,
+        "mean_ttft_ms": mean(ttfts) * ms,
+        "median_ttft_ms": percentile(ttfts, 50) * ms,
+        "p99_ttft_ms": percentile(ttfts, 99) * ms,
+        "mean_tpot_ms": mean(tpots) * ms,
+        "p99_tpot_ms": percentile(tpots, 99) * ms,
+        "mean_itl_ms": mean(itls) * ms,
+        "median_itl_ms": percentile(itls, 50) * ms,
+        "p99_itl_ms": percentile(itls, 99) * ms,
+        "goodput": sum(len(r.token_times) for r in good) / duration,
+        "goodput_requests": len(good),
+    }

@@ -1,0 +1,59 @@
+"""One serving setup (model, hardware, dtypes, memory, scheduler limits) turned into a cost
+model, a KV pool and per-policy simulator configs: shared by `sim` and `doctor`."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..core.config import whole_prompt_budget
+from ..model.config import ModelConfig
+from .cost_model import CostModel
+from .hardware import Hardware, get_hardware
+from .memory import MemoryPlan, plan_memory
+from .models import load_model
+from .simulator import SimConfig
+
+# The seed's chunk size ("default ~512 tokens").
+DEFAULT_CHUNK_BUDGET = 512
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    model: ModelConfig
+    hardware: Hardware
+    cost: CostModel
+    plan: MemoryPlan
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    enable_prefix_caching: bool
+
+    def budget(self, policy: str) -> int:
+        if policy == "chunked":
+            return self.max_num_batched_tokens
+        return whole_prompt_budget(self.max_model_len, self.max_num_seqs)
+
+    def sim_config(self, policy: str, concurrency: int | None = None, request_rate: float = math.inf,
+                   seed: int = 0) -> SimConfig:
+        return SimConfig(policy=policy, num_blocks=self.plan.num_blocks, block_size=self.block_size,
+                         max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.budget(policy),
+                         max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
+                         concurrency=concurrency, request_rate=request_rate, seed=seed)
+
+
+def build_scenario(model: str, hardware: str, dtype: str = "bf16", kv_cache_dtype: str | None = None,
+                   tp: int = 1, block_size: int = 16, max_num_seqs: int = 256,
+                   max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
+                   gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None,
+                   enable_prefix_caching: bool = True, clamp_max_model_len: bool = True) -> Scenario:
+    """max_model_len defaults to the model's, clamped to what the pool holds (vLLM refuses to
+    start otherwise; `doctor` passes clamp_max_model_len=False to report that instead)."""
+    m = load_model(model)
+    cost = CostModel(m, get_hardware(hardware), dtype, kv_cache_dtype, tp)
+    budget = max_num_batched_tokens or max(DEFAULT_CHUNK_BUDGET, max_num_seqs)
+    plan = plan_memory(cost, block_size, budget, max_num_seqs, gpu_memory_utilization, kv_cache_memory)
+    mml = max_model_len or m.max_position_embeddings
+    if clamp_max_model_len:
+        mml = min(mml, plan.num_tokens)
+    return Scenario(m, cost.hardware, cost, plan, mml, max_num_seqs, budget, block_size, enable_prefix_caching)

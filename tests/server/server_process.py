@@ -1,0 +1,70 @@
+"""Start a real `pagedserve serve` process on a free loopback port and wait for /health."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+SMALL_SERVER_FLAGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "1024")
+STARTUP_TIMEOUT_S = 120.0
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        """SIGTERM, then wait; the return code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(log_dir: Path, *flags: str, env: dict[str, str] | None = None) -> ServerProcess:
+    """Start a server and wait until /health answers 200."""
+    port = _free_port()
+    log_path = log_dir / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port),
+           *SMALL_SERVER_FLAGS, "--uvicorn-log-level", "warning", *flags]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    server = ServerProcess(proc, port, log_path)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-3000:]}")
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"server did not become healthy in {STARTUP_TIMEOUT_S} s:\n{server.log()[-3000:]}")

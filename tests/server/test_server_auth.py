@@ -1,0 +1,90 @@
+"""With an API key, everything but /health, /metrics and /version needs it, however the path is spelled."""
+from __future__ import annotations
+
+from http.client import HTTPConnection
+
+import httpx
+import pytest
+
+from .server_process import start_server
+
+KEY = "sk-test-3f9a1c77e2"
+ORIGIN = "https://app.example"
+
+
+@pytest.fixture(scope="module")
+def keyed_server(server_logs):
+    # The key comes from the environment, so the flag never shows up in the process list.
+    proc = start_server(server_logs, "--allowed-origins", ORIGIN, env={"PAGEDSERVE_API_KEY": KEY})
+    yield proc
+    proc.stop()
+
+
+def raw_request(port: int, method: str, path: str, headers: dict[str, str] | None = None,
+                body: bytes | None = None) -> int:
+    """Send `path` byte for byte (HTTP clients normalise '.', '//' and case in URLs)."""
+    conn = HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request(method, path, body=body,
+                     headers={"content-type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    finally:
+        conn.close()
+
+
+COMPLETION = b'{"prompt": "hi", "max_tokens": 1}'
+PROTECTED = [
+    ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+    ("POST", "/tokenize"), ("POST", "/detokenize"),
+    # Spellings a path check could miss.
+    ("POST", "//v1/completions"), ("POST", "/V1/completions"), ("POST", "/v1/./completions"),
+    ("POST", "/v1//completions"), ("POST", "/v1/../v1/completions"), ("POST", "/v1/completions/"),
+    ("POST", "/%761/completions"), ("POST", "/v1/completions?x=/health"), ("GET", "/V1/MODELS"),
+    ("POST", "/health/../v1/completions"), ("GET", "/docs"), ("GET", "/no/such/route"),
+]
+
+
+@pytest.mark.parametrize(("method", "path"), PROTECTED, ids=[f"{m} {p}" for m, p in PROTECTED])
+@pytest.mark.parametrize("auth", [None, "Bearer wrong-key", f"Bearer {KEY}x", KEY, f"Basic {KEY}"],
+                         ids=["no-header", "wrong-key", "key-prefix", "no-scheme", "basic-scheme"])
+def test_protected_paths_need_the_key(keyed_server, method, path, auth):
+    headers = {"authorization": auth} if auth is not None else {}
+    assert raw_request(keyed_server.port, method, path, headers, COMPLETION if method == "POST" else None) == 401
+
+
+def test_the_key_opens_the_api(keyed_server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key=KEY, max_retries=0)
+    r = client.completions.create(model=client.models.list().data[0].id, prompt="hi", max_tokens=2)
+    assert r.choices[0].text is not None
+    bearer = {"authorization": f"Bearer {KEY}"}
+    assert raw_request(keyed_server.port, "POST", "/tokenize", bearer, b'{"prompt": "hi"}') == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+@pytest.mark.parametrize("path", ["/health", "/metrics", "/version"])
+def test_open_paths_need_no_key(keyed_server, path):
+    assert raw_request(keyed_server.port, "GET", path) == 200
+
+
+def test_the_key_never_reaches_the_log(keyed_server):
+    raw_request(keyed_server.port, "POST", "/v1/completions", {"authorization": f"Bearer {KEY}"}, COMPLETION)
+    raw_request(keyed_server.port, "POST", "/v1/completions", {"authorization": "Bearer wrong"}, COMPLETION)
+    log = keyed_server.log()
+    assert '"api_key": "<set>"' in log  # the effective configuration says a key is set...
+    assert KEY not in log  # ...but never what it is
+
+
+def test_cors_only_for_allowed_origins(keyed_server, http):
+    preflight = {"origin": ORIGIN, "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization, content-type"}
+    r = httpx.options(keyed_server.url + "/v1/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    r = httpx.options(keyed_server.url + "/v1/completions", headers={**preflight, "origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
+    # The shared server was started without --allowed-origins: CORS is off.
+    r = http.get("/v1/models", headers={"origin": ORIGIN})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers

@@ -1,0 +1,60 @@
+"""The roofline's arithmetic on a toy model small enough to compute by hand."""
+import pytest
+
+from pagedserve.model.config import ModelConfig
+from pagedserve.sim.cost_model import CostModel
+from pagedserve.sim.hardware import Hardware
+
+# h=8, 2 heads x 4 = q 8, 2 KV heads x 4 = kv 8, I=16, 2 layers, vocab 100, tied:
+# per layer 8*(8+16) + 8*8 + 3*8*16 = 640; params 2*640 + 800 = 2080, body 1280.
+TOY = ModelConfig("llama", 100, 8, 16, 2, 2, 2, 4, 1e-5, 1e4, 1024, True)
+HW = Hardware("toy", 10**9, 1000.0, {"bf16": 1e4, "fp8": 2e4, "fp32": 5e3}, 100.0, 0.0, 1.0, 1.0)
+
+
+def test_prefill_is_compute_bound_by_hand():
+    c = CostModel(TOY, HW, "bf16").cost([(100, 0)], 1)
+    # linear 2*1280*100 + 2*800*1 = 257,600; attention 4*2*2*4 * 100*101/2 = 323,200
+    assert c.flops == 580_800
+    assert c.compute_s == pytest.approx(58.08)
+    # weights 2080*2 + KV 64 B/token * 100 + activations 2*(32+16+16+48)*2 = 448 B/token * 100
+    assert c.bytes == 4160 + 6400 + 44_800
+    assert c.compute_bound and c.seconds == pytest.approx(58.08)
+
+
+def test_decode_is_bandwidth_bound_by_hand():
+    c = CostModel(TOY, HW, "bf16").cost([(1, 50)] * 4, 4)
+    assert c.compute_s == pytest.approx((2 * 1280 * 4 + 1600 * 4 + 64 * 4 * 51) / 1e4)
+    assert c.bytes == 4160 + 64 * 204 + 448 * 4
+    assert not c.compute_bound and c.seconds == pytest.approx(19.008)
+
+
+def test_tensor_parallel_divides_work_and_adds_allreduce():
+    one = CostModel(TOY, HW, "bf16").cost([(1, 50)] * 4, 4)
+    two = CostModel(TOY, HW, "bf16", tp=2).cost([(1, 50)] * 4, 4)
+    assert two.compute_s == pytest.approx(one.compute_s / 2)
+    assert two.bytes == pytest.approx(one.bytes / 2)
+    # 2 all-reduces/layer x 2 layers x 8 x 2 B per token, ring factor 2*(2-1)/2, 4 tokens, 100 B/s; 10 us each
+    assert two.comm_s == pytest.approx(64 * 4 / 100 + 4 * 10e-6)
+    assert two.seconds == pytest.approx(9.504 + 2.56004)
+
+
+def test_fp8_halves_weight_and_kv_bytes_and_doubles_gemm_rate():
+    bf16 = CostModel(TOY, HW, "bf16")
+    fp8 = CostModel(TOY, HW, "fp8")
+    assert fp8.weight_bytes == bf16.weight_bytes / 2 and fp8.kv_bytes_per_token == bf16.kv_bytes_per_token / 2
+    act = 448 * 4  # activations stay 16-bit
+    assert fp8.cost([(1, 50)] * 4, 4).bytes - act == (bf16.cost([(1, 50)] * 4, 4).bytes - act) / 2
+    assert fp8.cost([(100, 0)], 1).compute_s == pytest.approx(257_600 / 2e4 + 323_200 / 1e4)
+    assert CostModel(TOY, HW, "fp8", kv_dtype="bf16").kv_bytes_per_token == bf16.kv_bytes_per_token
+
+
+def test_overhead_is_added_once_and_empty_step_costs_nothing():
+    hw = Hardware("toy", 10**9, 1000.0, {"bf16": 1e4}, 100.0, 0.5, 1.0, 1.0)
+    assert CostModel(TOY, hw).cost([(1, 50)] * 4, 4).seconds == pytest.approx(19.508)
+    assert CostModel(TOY, hw).cost([], 0).seconds == 0.0
+
+
+@pytest.mark.parametrize("kwargs", [{"weight_dtype": "int3"}, {"kv_dtype": "fp4"}, {"tp": 3}, {"tp": 0}])
+def test_invalid_setup_raises(kwargs):
+    with pytest.raises(ValueError):
+        CostModel(TOY, HW, **kwargs)
