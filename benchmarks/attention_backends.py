@@ -32,6 +32,7 @@ from pagedserve.attention import cpu_backend
 from pagedserve.attention.backend import ReferenceBackend, write_kv
 from pagedserve.attention.cpu_backend import CpuPagedAttention, StepPlan, build_plan
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.testing import random_step
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 GROUP = NUM_HEADS // NUM_KV_HEADS
@@ -59,32 +60,7 @@ def _cases() -> dict[str, list[tuple[int, int]]]:
 
 
 def build_step(seqs: list[tuple[int, int]], seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-seq_len // BLOCK_SIZE) for _, seq_len in seqs]
-    num_blocks = sum(blocks_per_seq) + 1
-    pool = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros(len(seqs), max(blocks_per_seq), dtype=torch.int64)
-    slots, used = [], 0
-    for i, ((qlen, seq_len), nblocks) in enumerate(zip(seqs, blocks_per_seq)):
-        tables[i, :nblocks] = pool[used : used + nblocks]
-        used += nblocks
-        positions = torch.arange(seq_len - qlen, seq_len)
-        slots.append(tables[i, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE)
-    num_tokens = sum(q for q, _ in seqs)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0] + [q for q, _ in seqs]).cumsum(0),
-        seq_lens=torch.tensor([s for _, s in seqs]),
-        block_tables=tables,
-        slot_mapping=torch.cat(slots),
-        query_lens_cpu=[q for q, _ in seqs],
-        seq_lens_cpu=[s for _, s in seqs],
-        block_size=BLOCK_SIZE,
-    )
-    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=gen)
-    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-    v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-    cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-    return q, k, v, cache, meta
+    return random_step(seqs, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, seed, spare_blocks=1)
 
 
 # ---- Candidate 1: everything padded into one SDPA call -------------------------------

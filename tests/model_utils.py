@@ -18,23 +18,7 @@ def new_kv_caches(model, num_blocks: int) -> list[torch.Tensor]:
 def step_metadata(starts: list[int], query_lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
     """Sequence i computes positions starts[i] .. starts[i]+query_lens[i]-1 using block table tables[i]."""
     seq_lens = [s + q for s, q in zip(starts, query_lens)]
-    width = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
-    slots = []
-    for s, q, t in zip(starts, query_lens, tables):
-        pos = torch.arange(s, s + q)
-        slots.append(torch.tensor(t)[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
-    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
-    qsl[1:] = torch.tensor(query_lens).cumsum(0)
-    return AttentionMetadata(
-        query_start_loc=qsl,
-        seq_lens=torch.tensor(seq_lens),
-        block_tables=block_tables,
-        slot_mapping=torch.cat(slots),
-        query_lens_cpu=list(query_lens),
-        seq_lens_cpu=seq_lens,
-        block_size=BLOCK_SIZE,
-    )
+    return AttentionMetadata.for_sequences(query_lens, seq_lens, tables, BLOCK_SIZE)
 
 
 @torch.inference_mode()

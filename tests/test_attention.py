@@ -11,47 +11,15 @@ from hypothesis import strategies as st
 from pagedserve.attention.backend import ReferenceBackend
 from pagedserve.attention.cpu_backend import PREFILL_MIN_QUERY_LEN, CpuPagedAttention, partition_by_length
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.testing import random_step
 from pagedserve.attention.selector import backend_names, get_backend
 
 HEAD_DIM = 8
 LONG = PREFILL_MIN_QUERY_LEN + 5  # a query long enough to take the prefill path
 
 
-def make_step(
-    seqs: list[tuple[int, int]],  # (query_len, seq_len) per sequence
-    num_heads: int = 6,
-    num_kv_heads: int = 2,
-    block_size: int = 4,
-    seed: int = 0,
-):
-    """q/k/v for the new tokens, a cache full of random earlier K/V, and metadata whose
-    block tables hand out the blocks of a shuffled pool (never contiguous runs)."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-seq_len // block_size) for _, seq_len in seqs]
-    num_blocks = sum(blocks_per_seq) + 3  # spare blocks that nobody owns
-    pool = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = torch.zeros(len(seqs), max(blocks_per_seq, default=0), dtype=torch.int64)
-    slots = []
-    for i, ((qlen, seq_len), nblocks) in enumerate(zip(seqs, blocks_per_seq)):
-        tables[i, :nblocks] = torch.tensor(pool[:nblocks])
-        pool = pool[nblocks:]
-        positions = torch.arange(seq_len - qlen, seq_len)
-        slots.append(tables[i, positions // block_size] * block_size + positions % block_size)
-    num_tokens = sum(q for q, _ in seqs)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0] + [q for q, _ in seqs]).cumsum(0),
-        seq_lens=torch.tensor([s for _, s in seqs]),
-        block_tables=tables,
-        slot_mapping=torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64),
-        query_lens_cpu=[q for q, _ in seqs],
-        seq_lens_cpu=[s for _, s in seqs],
-        block_size=block_size,
-    )
-    q = torch.randn(num_tokens, num_heads, HEAD_DIM, generator=gen)
-    k = torch.randn(num_tokens, num_kv_heads, HEAD_DIM, generator=gen)
-    v = torch.randn(num_tokens, num_kv_heads, HEAD_DIM, generator=gen)
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, HEAD_DIM, generator=gen)
-    return q, k, v, cache, meta
+def make_step(seqs, num_heads: int = 6, num_kv_heads: int = 2, block_size: int = 4, seed: int = 0):
+    return random_step(seqs, num_heads, num_kv_heads, HEAD_DIM, block_size, seed)
 
 
 def assert_matches_reference(seqs, num_heads=6, num_kv_heads=2, block_size=4, seed=0):

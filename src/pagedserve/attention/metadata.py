@@ -25,6 +25,30 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     block_size: int
 
+    @classmethod
+    def for_sequences(
+        cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int
+    ) -> "AttentionMetadata":
+        """Build from plain lists: sequence i computes its last query_lens[i] positions
+        of seq_lens[i], with blocks block_tables[i]. For tests and benchmarks; the model
+        runner builds the same tensors from its persistent arrays."""
+        width = max((len(t) for t in block_tables), default=0)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
+        tables = tables.view(len(block_tables), width)
+        rows = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens, dtype=torch.int64))
+        positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]) if query_lens else rows
+        query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+        query_start_loc[1:] = torch.tensor(query_lens, dtype=torch.int64).cumsum(0)
+        return cls(
+            query_start_loc=query_start_loc,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            block_tables=tables,
+            slot_mapping=tables[rows, positions // block_size] * block_size + positions % block_size,
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
+            block_size=block_size,
+        )
+
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens_cpu)

@@ -29,7 +29,7 @@ class KVSize:
 
     def explain(self) -> str:
         lines = [
-            f"KV bytes per token = num_layers x 2 (K and V) x num_kv_heads x head_dim x bytes",
+            "KV bytes per token = num_layers x 2 (K and V) x num_kv_heads x head_dim x bytes",
             f"                   = {self.num_layers} x 2 x {self.num_kv_heads} x {self.head_dim} x {self.dtype_bytes}"
             f" = {self.bytes_per_token:,} B ({self.bytes_per_token / 2**10:.1f} KiB)",
             f"per sequence of {self.tokens:,} tokens = {self.bytes_per_sequence:,} B"

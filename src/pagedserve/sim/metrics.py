@@ -5,7 +5,8 @@ between consecutive tokens of one request (all gaps of all requests pooled);
 TPOT = (last - first token) / (outputs - 1) per request. Percentiles interpolate
 linearly between order statistics (numpy's default). Goodput, as the seed defines
 it: output tokens per second from requests that met both their TTFT target and their
-ITL target (the request's TPOT, its mean ITL, at most the ITL target).
+ITL target (the request's TPOT, its mean ITL, at most the ITL target), and its
+end-to-end latency target when one is set. A target of None is not checked.
 """
 from __future__ import annotations
 
@@ -35,6 +36,13 @@ class RequestRecord:
     output_len: int
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
+    # Tokens produced, when a stream delivered some of them together (an HTTP server
+    # holds back a partial character); None: one token per entry of token_times.
+    num_output_tokens: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_times) if self.num_output_tokens is None else self.num_output_tokens
 
     @property
     def ttft(self) -> float:
@@ -47,32 +55,46 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float | None:
-        t = self.token_times
-        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+        t, n = self.token_times, self.num_tokens
+        return (t[-1] - t[0]) / (n - 1) if t and n > 1 else None
+
+    @property
+    def e2el(self) -> float:
+        return self.token_times[-1] - self.send_time
 
 
 @dataclass(frozen=True, slots=True)
 class SLO:
-    ttft_s: float = 2.0
-    itl_s: float = 0.1
+    ttft_s: float | None = 2.0
+    itl_s: float | None = 0.1
+    e2el_s: float | None = None
+
+    def met_by(self, r: RequestRecord) -> bool:
+        tpot = r.tpot
+        return ((self.ttft_s is None or r.ttft <= self.ttft_s)
+                and (self.itl_s is None or tpot is None or tpot <= self.itl_s)
+                and (self.e2el_s is None or r.e2el <= self.e2el_s))
 
 
-def summarize(records: Sequence[RequestRecord], duration: float, slo: SLO = SLO()) -> dict[str, float]:
-    """The benchmark summary for finished requests over `duration` seconds of wall (or simulated) time."""
+def summarize(records: Sequence[RequestRecord], duration: float, slo: SLO = SLO(),
+              percentiles: Sequence[float] = ()) -> dict[str, float]:
+    """The benchmark summary for finished requests over `duration` seconds of wall (or simulated) time.
+    Each q in `percentiles` adds p{q}_{ttft,tpot,itl,e2el}_ms (e.g. p50_ttft_ms)."""
     if duration <= 0:
         raise ValueError(f"duration must be > 0, got {duration!r}")
     done = [r for r in records if r.token_times]
     ttfts = [r.ttft for r in done]
     itls = [x for r in done for x in r.itls]
     tpots = [t for r in done if (t := r.tpot) is not None]
-    out_tokens = sum(len(r.token_times) for r in done)
-    good = [r for r in done if r.ttft <= slo.ttft_s and (r.tpot is None or r.tpot <= slo.itl_s)]
+    out_tokens = sum(r.num_tokens for r in done)
+    e2els = [r.e2el for r in done]
+    good = [r for r in done if slo.met_by(r)]
     ms = 1e3
 
     def mean(xs: Sequence[float]) -> float:
         return statistics.fmean(xs) if xs else math.nan
 
-    return {
+    out = {
         "completed": len(done),
         "duration_s": duration,
         "total_input_tokens": sum(r.prompt_len for r in done),
@@ -88,6 +110,13 @@ def summarize(records: Sequence[RequestRecord], duration: float, slo: SLO = SLO(
         "mean_itl_ms": mean(itls) * ms,
         "median_itl_ms": percentile(itls, 50) * ms,
         "p99_itl_ms": percentile(itls, 99) * ms,
-        "goodput": sum(len(r.token_times) for r in good) / duration,
+        "goodput": sum(r.num_tokens for r in good) / duration,
         "goodput_requests": len(good),
+        "mean_e2el_ms": mean(e2els) * ms,
+        "median_e2el_ms": percentile(e2els, 50) * ms,
+        "p99_e2el_ms": percentile(e2els, 99) * ms,
     }
+    for q in percentiles:
+        for name, xs in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
+            out[f"p{q:g}_{name}_ms"] = percentile(xs, q) * ms
+    return out

@@ -1,0 +1,150 @@
+"""`pagedserve bench compare`: the scheduler study on the real model, offline.
+
+Every policy gets its own LLMEngine over the same loaded weights, so the runs differ
+only in scheduling. Requests arrive at time 0 (or at Poisson times for a finite
+rate); at most max_concurrency are inside the engine at once and a request's clock
+(its send time) starts when it enters, as a client with that many connections would
+see it. Each step's scheduler stats are sampled for the KV-waste average and the
+timeline plots. The optional Hugging Face baseline runs transformers' generate()
+one request at a time on the same GGUF, its clocks starting at arrival like naive's.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..sim.metrics import RequestRecord, summarize
+from .datasets import BenchRequest
+from .serve import send_offsets
+
+BASELINES = ("hf",)
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    time: float  # seconds since the run started, at the end of the step
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    kv_waste: float
+    used_blocks: int
+
+
+@dataclass(slots=True)
+class RunResult:
+    name: str
+    records: list[RequestRecord]
+    duration: float
+    steps: list[StepSample] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    def summary(self) -> dict[str, float]:
+        s = summarize(self.records, self.duration)
+        s.pop("goodput"), s.pop("goodput_requests")
+        if self.steps:
+            # Time-weighted over busy steps, as the simulator's, so long prefill steps weigh more.
+            prev = [0.0] + [st.time for st in self.steps[:-1]]
+            busy = [(st, st.time - p) for st, p in zip(self.steps, prev) if st.kv_usage > 0]
+            weight = sum(d for _, d in busy) or 1.0
+            s["kv_waste"] = sum(st.kv_waste * d for st, d in busy) / weight
+            s["mean_kv_usage"] = sum(st.kv_usage * d for st, d in busy) / weight
+            s["peak_blocks_used"] = max(st.used_blocks for st in self.steps)
+            s["num_steps"] = len(self.steps)
+        else:
+            s["kv_waste"] = math.nan
+        s["num_preemptions"] = self.num_preemptions
+        return s
+
+
+def run_engine(loaded, policy: str, requests: Sequence[BenchRequest], *, max_concurrency: int | None = None,
+               request_rate: float = math.inf, n: int = 1, seed: int = 0, **engine_options) -> RunResult:
+    """The workload through one policy; engine_options go to EngineConfig (kv_cache_memory, ...)."""
+    from ..config import EngineConfig
+    from ..engine.llm_engine import LLMEngine
+    from ..sampling_params import SamplingParams
+
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency!r}")
+    engine = LLMEngine(EngineConfig(policy=policy, seed=seed, **engine_options), loaded=loaded)
+    total_blocks = engine.stats()["kv_total_blocks"]
+    offsets = send_offsets(len(requests), request_rate, 1.0, seed)
+    order = sorted(range(len(requests)), key=offsets.__getitem__)
+    cap = max_concurrency or len(requests)
+    records = [RequestRecord(0.0, r.prompt_len, r.output_len, num_output_tokens=0) for r in requests]
+    steps: list[StepSample] = []
+    nxt = inside = 0
+    t0 = time.monotonic()
+    while nxt < len(order) or engine.has_unfinished_requests():
+        now = time.monotonic() - t0
+        while nxt < len(order) and inside < cap and offsets[order[nxt]] <= now:
+            i = order[nxt]
+            req = requests[i]
+            params = SamplingParams(n=n, max_tokens=req.output_len, ignore_eos=True, temperature=0 if n == 1 else 1.0,
+                                    seed=None if n == 1 else seed + i)
+            # Without a concurrency cap the clock starts at arrival, so queueing counts, as for a client.
+            records[i].send_time = now if max_concurrency else offsets[i]
+            engine.add_request(req.prompt_token_ids, params, request_id=str(i), arrival_time=t0 + now)
+            nxt += 1
+            inside += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, offsets[order[nxt]] - (time.monotonic() - t0)))
+            continue
+        outputs = engine.step()
+        t = time.monotonic() - t0
+        for out in outputs:
+            rec = records[int(out.request_id)]
+            rec.token_times.extend([t] * len(out.outputs[0].delta_token_ids))
+            rec.num_output_tokens += sum(len(c.delta_token_ids) for c in out.outputs)
+            if out.finished:
+                inside -= 1
+                rec.num_preemptions = out.metrics.num_preemptions
+        st = engine.stats()
+        steps.append(StepSample(t, st["num_running"], st["num_waiting"], st["kv_usage"], st["kv_waste"],
+                                total_blocks - st["kv_free_blocks"]))
+    duration = time.monotonic() - t0
+    return RunResult(policy, records, duration, steps, engine.stats()["num_preemptions"])
+
+
+def run_hf(model_path, requests: Sequence[BenchRequest], request_rate: float = math.inf, seed: int = 0) -> RunResult:
+    """transformers generate(), greedy, one request at a time, exactly output_len tokens each."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.streamers import BaseStreamer
+
+    model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, dtype=torch.float32)
+    model.eval()
+    offsets = send_offsets(len(requests), request_rate, 1.0, seed)
+
+    class Clock(BaseStreamer):
+        """generate() calls put() with the prompt first, then with each new token."""
+
+        def __init__(self, times: list[float], t0: float):
+            self.times, self.t0, self.prompt_seen = times, t0, False
+
+        def put(self, value) -> None:
+            if self.prompt_seen:
+                self.times.append(time.monotonic() - self.t0)
+            self.prompt_seen = True
+
+        def end(self) -> None:
+            pass
+
+    records = [RequestRecord(offsets[i], r.prompt_len, r.output_len) for i, r in enumerate(requests)]
+    t0 = time.monotonic()
+    with torch.inference_mode():
+        for i in sorted(range(len(requests)), key=offsets.__getitem__):
+            time.sleep(max(0.0, offsets[i] - (time.monotonic() - t0)))
+            req = requests[i]
+            ids = torch.tensor([req.prompt_token_ids])
+            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=req.output_len,
+                           min_new_tokens=req.output_len, streamer=Clock(records[i].token_times, t0),
+                           pad_token_id=0)
+    return RunResult("hf", records, time.monotonic() - t0)
+
+
+def ratios(summaries: dict[str, dict], reference: str) -> dict[str, float]:
+    """Output throughput of each run over the reference run's."""
+    ref = summaries[reference]["output_throughput"]
+    return {name: s["output_throughput"] / ref for name, s in summaries.items()}
