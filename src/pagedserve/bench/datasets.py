@@ -62,13 +62,17 @@ def _length(rng: random.Random, mean: int, range_ratio: float) -> int:
 
 
 def random_dataset(num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                   vocab_size: int = 32_000, seed: int = 0) -> list[BenchRequest]:
+                   vocab_size: int = 32_000, seed: int = 0,
+                   output_range_ratio: float | None = None) -> list[BenchRequest]:
+    """output_range_ratio, when given, spreads output lengths differently from prompt lengths."""
     for name, v in (("num_prompts", num_prompts), ("input_len", input_len), ("output_len", output_len)):
         _check_positive(name, v)
     _check_ratio(range_ratio)
+    out_ratio = range_ratio if output_range_ratio is None else output_range_ratio
+    _check_ratio(out_ratio)
     rng = random.Random(seed)
     return [BenchRequest(_tokens(rng, _length(rng, input_len, range_ratio), vocab_size),
-                         _length(rng, output_len, range_ratio)) for _ in range(num_prompts)]
+                         _length(rng, output_len, out_ratio)) for _ in range(num_prompts)]
 
 
 def mixed_dataset(num_prompts: int, short_input_len: int, long_input_len: int, long_every: int,
@@ -161,6 +165,8 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=int, default=256, help="random/mixed/shared-prefix: mean output length")
     g.add_argument("--range-ratio", type=float, default=0.5,
                    help="lengths uniform in [mean*(1-r), mean*(1+r)]")
+    g.add_argument("--output-range-ratio", type=float, default=None,
+                   help="random: the output lengths' r, when it differs from --range-ratio")
     g.add_argument("--short-input-len", type=int, default=256, help="mixed: mean short prompt length")
     g.add_argument("--long-input-len", type=int, default=8192, help="mixed: mean long prompt length")
     g.add_argument("--long-every", type=int, default=32, help="mixed: every k-th request is long")
@@ -176,7 +182,8 @@ def dataset_from_args(args: argparse.Namespace) -> list[BenchRequest]:
     name = args.dataset_name
     common = {"vocab_size": args.vocab_size, "seed": args.seed}
     if name == "random":
-        return random_dataset(args.num_prompts, args.input_len, args.output_len, args.range_ratio, **common)
+        return random_dataset(args.num_prompts, args.input_len, args.output_len, args.range_ratio, **common,
+                              output_range_ratio=getattr(args, "output_range_ratio", None))
     if name == "mixed":
         return mixed_dataset(args.num_prompts, args.short_input_len, args.long_input_len, args.long_every,
                              args.output_len, args.range_ratio, **common)

@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_sim_parser(sub)
     add_kv_parser(sub)
     add_doctor_parser(sub)
+
+    from ..bench.cli import add_bench_parser  # argparse only; aiohttp / torch load inside the commands
+
+    add_bench_parser(sub)
     return parser
 
 

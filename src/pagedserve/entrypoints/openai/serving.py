@@ -128,6 +128,18 @@ class Seat:
 # -- per-choice accumulation ------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class ResponseMeta:
+    """id / created / model, shared by every chunk of one response."""
+
+    id: str
+    created: int
+    model: str
+
+    def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+
 @dataclass(slots=True)
 class ChoiceState:
     """One choice's text and tokens so far (prompt p, sample s -> choice p * n + s)."""

@@ -5,7 +5,6 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -14,25 +13,15 @@ from starlette.responses import JSONResponse, Response
 from ...engine.async_engine import EngineDeadError, GenerationRequest, RequestStream
 from ...outputs import TokenLogprobs
 from .protocol import APIError, ChatCompletionRequest, chat_sampling_params, messages_as_dicts, parse_body
-from .serving import SSE_DONE, ChoiceTracker, OpenAIServing, SSEResponse, engine_failure_event, finite_logprob, \
+from .serving import SSE_DONE, ChoiceTracker, OpenAIServing, ResponseMeta, SSEResponse, engine_failure_event, finite_logprob, \
     sse, until_disconnected
-
-
-@dataclass(frozen=True, slots=True)
-class _Meta:
-    id: str
-    created: int
-    model: str
-
-    def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
 
 class ChatServing(OpenAIServing):
     async def create(self, request: Request) -> Response:
         arrival = time.monotonic()
         req = parse_body(await request.body(), ChatCompletionRequest)
-        meta = _Meta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.resolve_model(req.model))
+        meta = ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.resolve_model(req.model))
         params = chat_sampling_params(req, self.limits)
         with self.admission.admit(1) as seat:
             prompt_ids = await self.off_loop(self.render, messages_as_dicts(req.messages))
@@ -61,7 +50,7 @@ class ChatServing(OpenAIServing):
             raise APIError(400, "messages render to an empty prompt", param="messages")
         return token_ids
 
-    async def _respond(self, stream: RequestStream, tracker: ChoiceTracker, meta: _Meta, top: int) -> Response:
+    async def _respond(self, stream: RequestStream, tracker: ChoiceTracker, meta: ResponseMeta, top: int) -> Response:
         try:
             async for delta in stream:
                 tracker.update(delta)
@@ -76,7 +65,7 @@ class ChatServing(OpenAIServing):
         } for c in tracker.choices]
         return JSONResponse({**meta.envelope("chat.completion", choices), "usage": tracker.usage()})
 
-    async def _events(self, stream: RequestStream, tracker: ChoiceTracker, meta: _Meta, n: int, top: int,
+    async def _events(self, stream: RequestStream, tracker: ChoiceTracker, meta: ResponseMeta, n: int, top: int,
                       include_usage: bool) -> AsyncIterator[str]:
         chunk = "chat.completion.chunk"
         # The role first, as OpenAI does: clients see the stream is alive before the first token.

@@ -14,8 +14,8 @@ from ...engine.async_engine import EngineDeadError, GenerationRequest, RequestSt
 from ...outputs import TokenLogprobs
 from .protocol import APIError, CompletionRequest, Prompt, check_token_ids, completion_prompts, \
     completion_sampling_params, parse_body
-from .serving import SSE_DONE, ChoiceTracker, OpenAIServing, SSEResponse, engine_failure_event, finite_logprob, \
-    sse, until_disconnected
+from .serving import SSE_DONE, ChoiceTracker, OpenAIServing, ResponseMeta, SSEResponse, engine_failure_event, \
+    finite_logprob, sse, until_disconnected
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,22 +24,11 @@ class _Prepared:
     echo: str  # the prompt text to prepend, "" without echo
 
 
-@dataclass(frozen=True, slots=True)
-class _Meta:
-    id: str
-    created: int
-    model: str
-
-    def envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices}
-
-
 class CompletionServing(OpenAIServing):
     async def create(self, request: Request) -> Response:
         arrival = time.monotonic()
         req = parse_body(await request.body(), CompletionRequest)
-        meta = _Meta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.resolve_model(req.model))
+        meta = ResponseMeta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.resolve_model(req.model))
         params = completion_sampling_params(req, self.limits)
         prompts = completion_prompts(req.prompt)
         if len(prompts) > self.admission.max_queued_requests:
@@ -77,7 +66,7 @@ class CompletionServing(OpenAIServing):
             out.append(_Prepared(token_ids, echo_text if echo else ""))
         return out
 
-    async def _respond(self, stream: RequestStream, tracker: ChoiceTracker, meta: _Meta,
+    async def _respond(self, stream: RequestStream, tracker: ChoiceTracker, meta: ResponseMeta,
                        prepared: list[_Prepared], n: int) -> Response:
         try:
             async for delta in stream:
@@ -93,12 +82,12 @@ class CompletionServing(OpenAIServing):
                 logprobs = _logprobs(choice.logprobs, choice.token_ids, len(echo))
             choices.append({"index": choice.index, "text": echo + text, "logprobs": logprobs,
                             "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
-        return JSONResponse({**meta.envelope(choices), "usage": tracker.usage()})
+        return JSONResponse({**meta.envelope("text_completion", choices), "usage": tracker.usage()})
 
-    async def _events(self, stream: RequestStream, tracker: ChoiceTracker, meta: _Meta,
+    async def _events(self, stream: RequestStream, tracker: ChoiceTracker, meta: ResponseMeta,
                       prepared: list[_Prepared], n: int, include_usage: bool) -> AsyncIterator[str]:
         if prepared[0].echo:
-            yield "".join(sse(meta.envelope([_chunk_choice(p * n + s, prepared[p].echo)]))
+            yield "".join(sse(meta.envelope("text_completion", [_chunk_choice(p * n + s, prepared[p].echo)]))
                           for p in range(len(prepared)) for s in range(n))
         offsets = [len(prepared[c // n].echo) for c in range(len(prepared) * n)]
         try:
@@ -109,7 +98,7 @@ class CompletionServing(OpenAIServing):
                         continue  # tokens whose text is held back (a partial character or stop string)
                     logprobs = _sample_logprobs(sample, offsets[choice.index])
                     offsets[choice.index] += len(sample.text)
-                    events.append(sse(meta.envelope([
+                    events.append(sse(meta.envelope("text_completion", [
                         _chunk_choice(choice.index, sample.text, logprobs, sample.finish_reason, sample.stop_reason)
                     ])))
                 if events:
@@ -117,7 +106,7 @@ class CompletionServing(OpenAIServing):
         except EngineDeadError as e:
             yield engine_failure_event(e)
         if include_usage:
-            yield sse({**meta.envelope([]), "usage": tracker.usage()})
+            yield sse({**meta.envelope("text_completion", []), "usage": tracker.usage()})
         yield SSE_DONE
 
 
