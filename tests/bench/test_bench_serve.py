@@ -69,7 +69,8 @@ def test_bench_serve_against_a_real_server(tmp_path, capsys):
                    "--goodput", "ttft:60000", "--percentiles", "50,90,99", "--no-progress", "--out", str(out)])
         chat_rc = main(["bench", "serve", "--base-url", server.url, "--endpoint", "/v1/chat/completions",
                         "--dataset-name", "random", "--num-prompts", "2", "--input-len", "12", "--output-len", "3",
-                        "--range-ratio", "0", "--ignore-eos", "--no-progress", "--max-concurrency", "1"])
+                        "--range-ratio", "0", "--ignore-eos", "--no-progress", "--max-concurrency", "1",
+                        "--out", str(tmp_path / "chat.json")])
     finally:
         server.stop()
     assert rc == 0 and chat_rc == 0
@@ -82,3 +83,6 @@ def test_bench_serve_against_a_real_server(tmp_path, capsys):
     assert s["total_input_tokens"] == 6 * 24
     assert s["goodput_requests"] == 6
     assert all(r["output_tokens"] == 4 and r["chunk_times"] for r in result["requests"])
+    chat = json.loads((tmp_path / "chat.json").read_text())["summary"]
+    assert chat["successful_requests"] == 2 and chat["total_output_tokens"] == 6
+    assert chat["peak_concurrency"] == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 
@@ -112,6 +113,7 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
             runs[p] = compare.run_engine(loaded, p, requests, max_concurrency=args.max_concurrency,
                                          request_rate=args.request_rate, n=args.n, seed=args.seed, **options)
             print(f"{p}: {runs[p].duration:.1f} s", flush=True)
+            gc.collect()  # the finished engine's KV pool, before the next one allocates its own
     if "hf" in baselines:
         runs["hf"] = compare.run_hf(default_model_path(), requests, args.request_rate, args.seed)
         print(f"hf: {runs['hf'].duration:.1f} s", flush=True)
@@ -122,6 +124,10 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
           f"{max(r.output_len for r in requests)}, n={args.n}, concurrency {args.max_concurrency or 'unlimited'}, "
           f"rate {args.request_rate}/s, prefix caching {args.prefix_caching}")
     print(format_table(summaries, ratio))
+    if "chunked" in summaries:
+        pairs = [f"chunked/{b} {compare.ratios(summaries, b)['chunked']:.2f}x"
+                 for b in ("naive", "static", "hf") if b in summaries]
+        print("output throughput:", ", ".join(pairs))
     setup = {"dataset": args.dataset_name, "num_prompts": len(requests), "n": args.n,
              "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
              "prefix_caching": args.prefix_caching}

@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,7 +92,7 @@ class ConvertedGGUF:
 def convert_gguf(path: Path, use_cache: bool = True) -> ConvertedGGUF:
     cache_dir = cache_root() / f"v{_CACHE_FORMAT}-{file_digest(path)}"
     weights_file, tok_dir, meta_file = cache_dir / "weights.pt", cache_dir / "tokenizer", cache_dir / "model.json"
-    if use_cache and meta_file.is_file():  # model.json is written last: its presence means complete
+    if use_cache and meta_file.is_file():  # entries appear whole (see _publish_cache)
         saved = json.loads(meta_file.read_text())
         config = ModelConfig(**saved["config"])
         state = torch.load(weights_file, mmap=True, weights_only=True)
@@ -105,18 +106,27 @@ def convert_gguf(path: Path, use_cache: bool = True) -> ConvertedGGUF:
     state = fuse_hf_tensors(hf, config)
     tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     if use_cache:
-        try:
-            cache_dir.mkdir(parents=True, exist_ok=True)
-            tmp = weights_file.with_suffix(".tmp")
-            torch.save(state, tmp)
-            os.replace(tmp, weights_file)
-            tokenizer.save(tok_dir)
-            tmp = meta_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"config": config.to_dict(), "metadata": _metadata_without_vocab(gguf.metadata)}))
-            os.replace(tmp, meta_file)
-        except OSError as e:  # a read-only home must not stop the model from loading
-            logger.warning("could not write the model cache at %s: %s", cache_dir, e)
+        _publish_cache(cache_dir, state, tokenizer, config, gguf.metadata)
     return ConvertedGGUF(config, state, tokenizer, gguf.metadata, cache_dir, from_cache=False)
+
+
+def _publish_cache(cache_dir: Path, state, tokenizer: Tokenizer, config: ModelConfig, metadata: dict) -> None:
+    """Write the converted model into a private staging folder, then rename it into
+    place: processes converting the same file at once never see half an entry."""
+    staging = cache_dir.with_name(f"{cache_dir.name}.staging-{os.getpid()}")
+    try:
+        staging.mkdir(parents=True, exist_ok=True)
+        torch.save(state, staging / "weights.pt")
+        tokenizer.save(staging / "tokenizer")
+        (staging / "model.json").write_text(
+            json.dumps({"config": config.to_dict(), "metadata": _metadata_without_vocab(metadata)})
+        )
+        os.rename(staging, cache_dir)
+    except OSError as e:  # another process published first, or a read-only home
+        if not (cache_dir / "model.json").is_file():
+            logger.warning("could not write the model cache at %s: %s", cache_dir, e)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def build_model(config: ModelConfig, state: dict[str, torch.Tensor]) -> LlamaModel:
