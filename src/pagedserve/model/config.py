@@ -92,6 +92,9 @@ class ModelConfig:
         cfg = json.loads(Path(path).read_text())
         arch = cfg.get("model_type", "")
         hidden = int(cfg["hidden_size"])
+        # transformers >= 5 writes RoPE settings as one `rope_parameters` dict.
+        rope = cfg.get("rope_parameters") or {}
+        rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         num_heads = int(cfg["num_attention_heads"])
         return cls(
             architecture=arch,
@@ -103,10 +106,10 @@ class ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
             qk_norm=arch == "qwen3",
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_scaling=rope_scaling,
         )
