@@ -20,7 +20,8 @@ COLUMNS = (
 
 def format_table(summaries: Mapping[str, Mapping], ratio_to: Mapping[str, float] | None = None) -> str:
     def cell(s: Mapping, key: str, fmt: str) -> str:
-        return fmt.format(s[key]) if key in s else "-"
+        v = s.get(key)
+        return "-" if v is None or v != v else fmt.format(v)  # v != v: NaN (a baseline has no KV stats)
 
     head = f"{'policy':<11}" + "".join(f"{name:>14}" for name, _, _ in COLUMNS)
     if ratio_to:
