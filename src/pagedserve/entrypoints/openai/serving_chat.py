@@ -13,8 +13,8 @@ from starlette.responses import JSONResponse, Response
 from ...engine.async_engine import EngineDeadError, GenerationRequest, RequestStream
 from ...outputs import TokenLogprobs
 from .protocol import APIError, ChatCompletionRequest, chat_sampling_params, messages_as_dicts, parse_body
-from .serving import SSE_DONE, ChoiceTracker, OpenAIServing, ResponseMeta, SSEResponse, engine_failure_event, finite_logprob, \
-    sse, until_disconnected
+from .serving import (SSE_DONE, ChoiceTracker, OpenAIServing, ResponseMeta, SSEResponse, engine_failure_event,
+                      finite_logprob, sse, until_disconnected)
 
 
 class ChatServing(OpenAIServing):
