@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from model_utils import prefill_logits
-from pagedserve.model.loader import build_model, convert_gguf, load_model, resolve_model
+from pagedserve.model.loader import convert_gguf, load_model, resolve_model
 from pagedserve.model.weights import hf_tensors_from_gguf
 
 

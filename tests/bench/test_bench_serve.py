@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
-import pytest
 from aiohttp import web
 
 from pagedserve.bench.datasets import random_dataset
