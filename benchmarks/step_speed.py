@@ -22,28 +22,13 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.sim.twin import best_seconds, measure_matmul_flops
 
 
-def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t)
-    return 2 * n**3 / min(times) / 1e9
-
-
-def gemv_gbps(rows: int = 8192, cols: int = 8192, reps: int = 10) -> float:
+def gemv_gbps(rows: int = 8192, cols: int = 8192) -> float:
+    """Decode-shaped bandwidth: one vector against a 256 MiB fp32 matrix."""
     w, x = torch.randn(rows, cols), torch.randn(cols)
-    w @ x
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        w @ x
-        times.append(time.perf_counter() - t)
-    return w.numel() * 4 / min(times) / 1e9
+    return w.numel() * 4 / best_seconds(lambda: w @ x, 10) / 1e9
 
 
 def step_flops(engine: LLMEngine, tokens: int, contexts: list[int], sampled_rows: int) -> float:
@@ -121,7 +106,7 @@ def main() -> None:
         kv_cache_memory=1 << 30, enable_prefix_caching=False,
     ))
     print(f"threads: {torch.get_num_threads()}")
-    mm = matmul_gflops()
+    mm = measure_matmul_flops(2048, 2048, 2048) / 1e9
     bw = gemv_gbps()
     print(f"machine: fp32 matmul {mm:.1f} GFLOP/s (2048^3), GEMV {bw:.1f} GB/s")
     d = measure_decode(engine, args.decode_seqs, args.context, args.steps)

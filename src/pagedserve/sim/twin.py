@@ -12,7 +12,7 @@ TWIN_MODEL = "smollm2-135m"
 TWIN_VOCAB = 49_152
 
 
-def _best_seconds(fn, repeats: int) -> float:
+def best_seconds(fn, repeats: int) -> float:
     fn()  # warm-up
     best = float("inf")
     for _ in range(repeats):
@@ -26,7 +26,7 @@ def measure_matmul_flops(m: int = 512, k: int = 1024, n: int = 1024) -> float:
     import torch
 
     a, b = torch.randn(m, k), torch.randn(k, n)
-    return 2 * m * k * n / _best_seconds(lambda: torch.mm(a, b), 10)
+    return 2 * m * k * n / best_seconds(lambda: torch.mm(a, b), 10)
 
 
 def measure_bandwidth(num_floats: int = 32 * 2**20) -> float:
@@ -34,7 +34,7 @@ def measure_bandwidth(num_floats: int = 32 * 2**20) -> float:
 
     src, dst = torch.ones(num_floats), torch.empty(num_floats)
     # A copy reads and writes every byte once.
-    return 2 * 4 * num_floats / _best_seconds(lambda: dst.copy_(src), 5)
+    return 2 * 4 * num_floats / best_seconds(lambda: dst.copy_(src), 5)
 
 
 def _engine(policy: str = "chunked"):
