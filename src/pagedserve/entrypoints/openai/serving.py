@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -18,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 from ...engine.async_engine import AsyncEngine, EngineDeadError, GenerationRequest, RequestDelta, RequestStream, \
     SampleDelta
 from ...outputs import TokenLogprobs
-from .protocol import APIError, RequestLimits, bad_request
+from .protocol import APIError, M, RequestLimits, bad_request, parse_body
 
 T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
@@ -215,6 +217,13 @@ class OpenAIServing:
         self.model_names = tuple(model_names)
         self.tokenizer = engine.engine.tokenizer
         self._executor = executor
+
+    async def read_request(self, request: Request, model: type[M], id_prefix: str) -> tuple[float, M, ResponseMeta]:
+        """The arrival time, the parsed body and the response's id/created/model."""
+        arrival = time.monotonic()
+        body = parse_body(await request.body(), model)
+        meta = ResponseMeta(f"{id_prefix}-{uuid.uuid4().hex}", int(time.time()), self.resolve_model(body.model))
+        return arrival, body, meta
 
     def resolve_model(self, name: str | None) -> str:
         """The name responses carry; 404 for a model this server does not serve."""

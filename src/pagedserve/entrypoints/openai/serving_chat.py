@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -12,16 +10,14 @@ from starlette.responses import JSONResponse, Response
 
 from ...engine.async_engine import EngineDeadError, GenerationRequest, RequestStream
 from ...outputs import TokenLogprobs
-from .protocol import APIError, ChatCompletionRequest, chat_sampling_params, messages_as_dicts, parse_body
+from .protocol import APIError, ChatCompletionRequest, chat_sampling_params, messages_as_dicts
 from .serving import (SSE_DONE, ChoiceTracker, OpenAIServing, ResponseMeta, SSEResponse, engine_failure_event,
                       finite_logprob, sse, until_disconnected)
 
 
 class ChatServing(OpenAIServing):
     async def create(self, request: Request) -> Response:
-        arrival = time.monotonic()
-        req = parse_body(await request.body(), ChatCompletionRequest)
-        meta = ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.resolve_model(req.model))
+        arrival, req, meta = await self.read_request(request, ChatCompletionRequest, "chatcmpl")
         params = chat_sampling_params(req, self.limits)
         with self.admission.admit(1) as seat:
             prompt_ids = await self.off_loop(self.render, messages_as_dicts(req.messages))

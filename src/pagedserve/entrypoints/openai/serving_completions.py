@@ -1,8 +1,6 @@
 """POST /v1/completions: one choice block per prompt, n choices each, streamed or not."""
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 from ...engine.async_engine import EngineDeadError, GenerationRequest, RequestStream, SampleDelta
 from ...outputs import TokenLogprobs
 from .protocol import APIError, CompletionRequest, Prompt, check_token_ids, completion_prompts, \
-    completion_sampling_params, parse_body
+    completion_sampling_params
 from .serving import SSE_DONE, ChoiceTracker, OpenAIServing, ResponseMeta, SSEResponse, engine_failure_event, \
     finite_logprob, sse, until_disconnected
 
@@ -26,9 +24,7 @@ class _Prepared:
 
 class CompletionServing(OpenAIServing):
     async def create(self, request: Request) -> Response:
-        arrival = time.monotonic()
-        req = parse_body(await request.body(), CompletionRequest)
-        meta = ResponseMeta(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.resolve_model(req.model))
+        arrival, req, meta = await self.read_request(request, CompletionRequest, "cmpl")
         params = completion_sampling_params(req, self.limits)
         prompts = completion_prompts(req.prompt)
         if len(prompts) > self.admission.max_queued_requests:
