@@ -10,6 +10,8 @@ generated text, and the checks below fail at the first bad read.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pagedserve.core import CacheConfig, Request, RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
 
 _MOD = (1 << 61) - 1
@@ -71,7 +73,8 @@ class FakeRunner:
             if row.is_new and list(row.new_block_ids) != self.tables[rid]:
                 raise AssertionError(f"{rid}: is_new row must carry the whole table in new_block_ids")
             table = self.tables[rid]
-            tokens = row.request.all_token_ids
+            drafts = list(row.draft_token_ids)
+            tokens = row.request.all_token_ids[: row.start + row.num_new_tokens - len(drafts)] + drafts
             start, end = row.start, row.start + row.num_new_tokens
             if end > len(table) * self.block_size:
                 raise AssertionError(f"{rid}: table of {len(table)} blocks cannot hold {end} tokens")
@@ -85,23 +88,40 @@ class FakeRunner:
                 state = self._check_slot(rid, table, start - 1, tokens[start - 1], None)
             else:
                 state = _SEED
+            states = []
             for pos in range(start, end):
                 state = _mix(state, tokens[pos])
                 slot = self._slot(table, pos)
                 self.tokens[slot] = tokens[pos]
                 self.states[slot] = state
+                states.append(state)
             self.num_tokens_computed += row.num_new_tokens
-            if row.num_samples:
+            if drafts:
+                sampled[rid] = self._verify(drafts, states[-len(drafts) - 1 :])
+            elif row.num_samples:
                 sampled[rid] = [sample(state, i, self.vocab_size) for i in range(row.num_samples)]
         return sampled
+
+    def _verify(self, drafts: list[int], states: list[int]) -> list[int]:
+        """Greedy verification: the target's token at each position, up to the first
+        that differs from the draft there (or the bonus token after all drafts)."""
+        kept = []
+        for i, state in enumerate(states):
+            kept.append(sample(state, 0, self.vocab_size))
+            if i == len(drafts) or kept[-1] != drafts[i]:
+                break
+        return kept
 
 
 class Driver:
     """Runs the engine loop (schedule, execute, update) with checks after every call:
     block accounting, the token budget, progress, and streamed outputs."""
 
-    def __init__(self, scheduler: Scheduler, runner: FakeRunner | None = None, check: bool = True):
+    def __init__(self, scheduler: Scheduler, runner: FakeRunner | None = None, check: bool = True,
+                 propose: Callable[[Request], list[int]] | None = None):
         self.scheduler = scheduler
+        # Speculative decoding: proposals for each running decode before every step.
+        self.propose = propose
         cache = scheduler.cache_config
         self.runner = runner or FakeRunner(cache.num_blocks, cache.block_size)
         self.check = check
@@ -114,6 +134,10 @@ class Driver:
     def step(self) -> tuple[SchedulerOutput, list[RequestUpdate]]:
         sched = self.scheduler
         had_work = sched.has_unfinished_requests()
+        if self.propose is not None:
+            for r in sched.running:
+                if r.num_tokens - r.num_computed_tokens == 1:
+                    r.spec_token_ids = self.propose(r)
         out = sched.schedule()
         self.history.append(out)
         if self.check:
@@ -169,6 +193,18 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, enable_prefix_cach
     config.setdefault("max_num_batched_tokens", 64)
     config.setdefault("max_num_seqs", min(16, config["max_num_batched_tokens"]))
     return Scheduler(SchedulerConfig(**config), CacheConfig(num_blocks, block_size, enable_prefix_caching))
+
+
+def true_continuation(request: Request, k: int, vocab_size: int = 1000) -> list[int]:
+    """The k tokens the fake model will generate next for `request` (greedy)."""
+    state = _SEED
+    for token in request.all_token_ids:
+        state = _mix(state, token)
+    out = []
+    for _ in range(k):
+        out.append(sample(state, 0, vocab_size))
+        state = _mix(state, out[-1])
+    return out
 
 
 def reference_output(request: Request, index: int = 0, vocab_size: int = 1000) -> list[int]:

@@ -197,6 +197,26 @@ class KVCacheManager:
             register(blocks[i], hashes[i])
         row.num_hashed_blocks = num_full
 
+    def rollback(self, request: Request) -> bool:
+        """Forget the slots past num_computed_tokens (rejected draft tokens): the
+        blocks no longer needed go back to the pool. Returns True if any did.
+
+        Rejected tokens never reach the prefix cache: cache_blocks only ever indexes
+        verified tokens, and a freed block that was never indexed carries no hash.
+        """
+        row = self._rows[request.request_id]
+        keep = request.num_computed_tokens
+        if keep >= row.num_stored_tokens:
+            return False
+        row.num_stored_tokens = keep
+        num_blocks = -(-keep // self.block_size)
+        surplus = row.blocks[num_blocks:]
+        if not surplus:
+            return False
+        del row.blocks[num_blocks:]
+        self.pool.release(reversed(surplus))
+        return True
+
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` the parent's table, sharing every block by reference count."""
         prow = self._rows[parent.request_id]
@@ -234,11 +254,12 @@ class KVCacheManager:
                 )
             if row.num_stored_tokens < request.num_computed_tokens:
                 raise AssertionError(f"request {request_id}: computed tokens without slots")
-            # The scheduler relies on this to skip cache_blocks when no block filled up.
-            if self.enable_prefix_caching and row.num_hashed_blocks != request.num_computed_tokens // bs:
+            # The scheduler relies on this to skip cache_blocks when no block filled up;
+            # blocks filled only by unverified draft tokens must stay unindexed.
+            if self.enable_prefix_caching and row.num_hashed_blocks != request.num_verified_tokens // bs:
                 raise AssertionError(
                     f"request {request_id}: {row.num_hashed_blocks} blocks hashed, "
-                    f"{request.num_computed_tokens // bs} full"
+                    f"{request.num_verified_tokens // bs} full of verified tokens"
                 )
             for i in range(row.num_hashed_blocks):
                 block_hash = row.blocks[i].block_hash

@@ -9,7 +9,8 @@ from .request import Request, RequestStatus
 @dataclass(slots=True)
 class ScheduledRequest:
     """One row of a step: compute request.all_token_ids[start : start + num_new_tokens]
-    at positions start .. start + num_new_tokens - 1.
+    (its last tokens replaced by `draft_token_ids` when it has drafts) at positions
+    start .. start + num_new_tokens - 1.
 
     Block table protocol for the runner, in this order each step: drop state of
     `finished_request_ids` and `preempted_request_ids`; apply `block_copies`; then
@@ -36,6 +37,11 @@ class ScheduledRequest:
     # A finished request's row kept computing by the static policy; its outputs
     # are discarded and never streamed.
     is_padding: bool = False
+    # Speculative decoding: the proposed tokens computed after the row's last token
+    # (the row's last len(draft_token_ids) tokens). num_samples is then
+    # 1 + len(draft_token_ids): one per position, verified by the runner, which
+    # returns the accepted drafts plus one token of the target's own.
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)

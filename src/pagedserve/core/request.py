@@ -78,6 +78,12 @@ class Request:
     block_hashes: list[bytes] = field(init=False)
     # True until a parallel-sampling parent has forked its n - 1 children.
     fork_pending: bool = field(init=False)
+    # Speculative decoding: tokens a proposer suggests to follow all_token_ids, set
+    # between steps by the engine and consumed by the next schedule().
+    spec_token_ids: list[int] = field(init=False)
+    # Draft tokens computed this step and not yet verified: counted in
+    # num_computed_tokens until update() keeps the accepted ones and rolls back the rest.
+    num_unverified_tokens: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -101,6 +107,7 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         self.block_hashes = []
         self.fork_pending = self.n > 1
+        self.spec_token_ids = []
 
     def __repr__(self) -> str:
         # Token lists and hashes make the generated repr unreadable in test failures.
@@ -123,6 +130,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def num_verified_tokens(self) -> int:
+        """Computed tokens whose KV is final: everything but this step's draft tokens."""
+        return self.num_computed_tokens - self.num_unverified_tokens
 
     @property
     def num_seats(self) -> int:

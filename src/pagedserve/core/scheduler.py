@@ -16,6 +16,12 @@ A step is built in two phases:
    admitted stops admission (no overtaking), which is safe because add_request
    rejects anything that could never fit.
 
+Speculative decoding: a decode whose request carries proposals (spec_token_ids)
+computes its last token plus as many drafts as the budget left over by the other
+decodes and its remaining max_tokens allow; the drafts need KV slots like any token.
+update() keeps the accepted ones and rolls num_computed_tokens back to them, giving
+unneeded blocks back; only verified tokens are ever indexed in the prefix cache.
+
 Without chunked prefill a prompt must be computed whole. If the next one cannot
 fit beside the running decodes, the step is a prefill step instead: running rows
 wait one step, and waiting prompts are admitted while they fit the budget, the
@@ -104,8 +110,10 @@ class Scheduler:
         self.num_preemptions = 0
         # max_num_seqs seats held: n for an unforked parent, 1 per other row.
         self._seats = 0
-        # Requests whose next row must carry the whole block table (forked children).
+        # Requests whose next row must carry the whole block table: forked children
+        # (new to the runner) and requests whose rejected drafts gave blocks back.
         self._unsynced: set[str] = set()
+        self._truncated: set[str] = set()
         self._children: dict[str, list[Request]] = {}
         self._released_ids: list[str] = []
 
@@ -177,12 +185,22 @@ class Scheduler:
         # row can still be taken back (its request preempted) while later rows are
         # placed, and an indexed block must not outlive a computation that never ran.
         filling: list[ScheduledRequest] = []
+        decodes_left = len(decodes)
         for req in (*decodes, *padding.values(), *prefills):
             start = req.num_computed_tokens
+            drafts: tuple[int, ...] = ()
             if req.status is RUNNING:
                 is_padding = False
                 remaining = len(req.all_token_ids) - start
-                n = 1 if remaining == 1 else prefill_tokens(remaining, step.budget, False)
+                if remaining == 1:
+                    n = 1
+                    decodes_left -= 1
+                    if req.spec_token_ids:
+                        # Drafts only from budget no later decode needs for its own token.
+                        drafts = self._take_drafts(req, step.budget - 1 - decodes_left)
+                        n += len(drafts)
+                else:
+                    n = prefill_tokens(remaining, step.budget, False)
             elif req.request_id in padding:
                 is_padding = True
                 n = 1
@@ -191,28 +209,35 @@ class Scheduler:
             if n == 0 or n > step.budget:
                 continue
             alloc = allocate(req, n)
+            if alloc is None and drafts:
+                # Speculation never costs another request its blocks: drop the drafts.
+                drafts, n = (), 1
+                alloc = allocate(req, n)
             if alloc is None:
                 alloc = self._make_room(req, n, step, None, may_preempt=True)
                 if alloc is None:
                     continue
             rid = req.request_id
-            num_samples = 0 if is_padding else self._num_samples(req, start, n)
+            num_samples = 0 if is_padding else (1 + len(drafts) if drafts else self._num_samples(req, start, n))
             if rid in unsynced:
                 unsynced.discard(rid)
                 table = kv.block_ids(req)
-                row = ScheduledRequest(req, rid, n, start, True, table, table, num_samples, is_padding)
+                row = ScheduledRequest(req, rid, n, start, True, table, table, num_samples, is_padding, drafts)
             else:
-                table = kv.block_ids(req) if alloc.copies else None
-                row = ScheduledRequest(req, rid, n, start, False, alloc.new_block_ids, table, num_samples, is_padding)
+                table = kv.block_ids(req) if alloc.copies or rid in self._truncated else None
+                self._truncated.discard(rid)
+                row = ScheduledRequest(req, rid, n, start, False, alloc.new_block_ids, table, num_samples,
+                                       is_padding, drafts)
             step.add(row, alloc.copies)
             if not is_padding:
                 # A preempted request restarts from 0, so advancing now is safe.
                 req.num_computed_tokens = start + n
-                if (start + n) // bs > start // bs:
+                req.num_unverified_tokens = len(drafts)
+                if (start + n - len(drafts)) // bs > start // bs:
                     filling.append(row)
         for row in filling:
             if row.request_id in step.index:
-                kv.cache_blocks(row.request, row.start + row.num_new_tokens)
+                kv.cache_blocks(row.request, row.request.num_verified_tokens)
 
     def _schedule_waiting(self, step: _Step) -> None:
         prefill_tokens = self.policy.prefill.num_tokens
@@ -243,6 +268,14 @@ class Scheduler:
         table = self.kv_cache.block_ids(req)
         step.add(ScheduledRequest(req, req.request_id, n, start, True, table, table, self._num_samples(req, start, n)), ())
         req.num_computed_tokens = start + n
+
+    @staticmethod
+    def _take_drafts(req: Request, room: int) -> tuple[int, ...]:
+        """Consume the request's proposals: as many as the budget `room` allows and no
+        more than its remaining output can hold beside the target's own token."""
+        proposals, req.spec_token_ids = req.spec_token_ids, []
+        k = min(len(proposals), room, req.max_tokens - req.num_output_tokens - 1)
+        return tuple(proposals[:k]) if k > 0 else ()
 
     @staticmethod
     def _num_samples(req: Request, start: int, n: int) -> int:
@@ -277,8 +310,11 @@ class Scheduler:
         self.kv_cache.free(victim)
         self._seats -= victim.num_seats
         self._unsynced.discard(victim.request_id)
+        self._truncated.discard(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.num_unverified_tokens = 0
+        victim.spec_token_ids = []
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(victim)
@@ -288,7 +324,8 @@ class Scheduler:
     # -- results in ----------------------------------------------------------------------
 
     def update(self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]]) -> list[RequestUpdate]:
-        """Apply one step's sampled tokens (request id -> its num_samples tokens).
+        """Apply one step's sampled tokens (request id -> its num_samples tokens; for a
+        row with drafts, the accepted drafts plus the target's token: 1 to num_samples).
 
         Rows that sample nothing (partial prefill chunks, padding) and requests that
         finished or were aborted since schedule() are skipped. Returns one update per
@@ -304,6 +341,16 @@ class Scheduler:
             if req.status is not RUNNING:
                 continue
             tokens = sampled.get(row.request_id)
+            if row.draft_token_ids:
+                if tokens is None or not 1 <= len(tokens) <= k:
+                    raise ValueError(f"sampled[{row.request_id!r}] must hold 1 to {k} tokens, got "
+                                     f"{None if tokens is None else len(tokens)}")
+                update = self._verify(row, tokens)
+                updates.append(update)
+                if update.finished is not None:
+                    req.status = update.finished
+                    finished.append(req)
+                continue
             if tokens is None or len(tokens) != k:
                 raise ValueError(
                     f"sampled[{row.request_id!r}] must hold {k} token(s), got {None if tokens is None else len(tokens)}"
@@ -320,6 +367,25 @@ class Scheduler:
             for req in finished:
                 self._retire(req, was_running=True)
         return updates
+
+    def _verify(self, row: ScheduledRequest, tokens: Sequence[int]) -> RequestUpdate:
+        """Keep a speculative row's accepted tokens and roll its KV back to them."""
+        req = row.request
+        kept: list[int] = []
+        status = None
+        for token in tokens:
+            kept.append(token)
+            status = req.append_output_token(token)
+            if status is not None:
+                break
+        # The KV of the row's first len(kept) tokens (its last token and the accepted
+        # drafts) is final; the slots of rejected drafts will be written again.
+        req.num_computed_tokens = row.start + len(kept)
+        req.num_unverified_tokens = 0
+        if self.kv_cache.rollback(req):
+            self._truncated.add(req.request_id)
+        self.kv_cache.cache_blocks(req, req.num_computed_tokens)
+        return RequestUpdate(req, kept, status)
 
     def _fork(self, parent: Request) -> list[Request]:
         """Split a parallel-sampling parent at its first sample into n rows sharing its blocks."""
@@ -396,6 +462,7 @@ class Scheduler:
         rid = req.request_id
         self.kv_cache.free(req)
         self._unsynced.discard(rid)
+        self._truncated.discard(rid)
         del self.requests[rid]
         self._released_ids.append(rid)
         root = req.parent_id or rid
@@ -429,7 +496,7 @@ class Scheduler:
         if seats != self._seats or seats > self.config.max_num_seqs:
             raise AssertionError(f"seats: counted {self._seats}, rows hold {seats}, max {self.config.max_num_seqs}")
         for r in self.running:
-            if r.status is not RUNNING or not self.kv_cache.has_blocks(r) or r.num_computed_tokens > r.num_tokens:
+            if r.status is not RUNNING or not self.kv_cache.has_blocks(r) or r.num_verified_tokens > r.num_tokens:
                 raise AssertionError(f"running request {r.request_id} is {r.status.name} with "
                                      f"{r.num_computed_tokens}/{r.num_tokens} computed")
         for r in self.padding.values():
