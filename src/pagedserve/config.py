@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from .core.config import POLICIES, SCHEDULING_POLICIES, whole_prompt_budget
+from .spec_decode.config import SpeculativeConfig
 
 # Default token budget per step on a CPU. A step costs about 2 x params FLOPs per
 # token; at ~90 GFLOP/s (fp32, 2 cores) and ~0.2 GFLOP/token for a 135M model, a
@@ -46,10 +47,14 @@ class EngineConfig:
     attention_backend: str | None = field(default=None, metadata={"help": "cpu (default) or reference"})
     num_threads: int | None = field(default=None, metadata={"help": "torch threads; default: all cores"})
     seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
+    speculative_config: SpeculativeConfig | dict | str | None = field(default=None, metadata={
+        "help": 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                'or \'{"method": "draft_model", "model": "self:8"}\''})
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_memory(self.kv_cache_memory)
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         # Scheduler and cache fields are validated by core's SchedulerConfig / CacheConfig
         # when the engine builds them; only the engine's own fields are checked here.
         for name in ("kv_cache_memory", "num_threads"):
@@ -75,7 +80,7 @@ class EngineConfig:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             elif f.name == "kv_cache_memory":
                 parser.add_argument(flag, type=parse_memory, default=None, help=help_text)
-            elif f.name in ("model", "attention_backend"):
+            elif f.name in ("model", "attention_backend", "speculative_config"):
                 parser.add_argument(flag, type=str, default=f.default, help=help_text)
             elif f.name in ("policy", "scheduling_policy"):
                 choices = POLICIES if f.name == "policy" else SCHEDULING_POLICIES

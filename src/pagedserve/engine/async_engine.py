@@ -80,6 +80,8 @@ class EngineSnapshot:
     prefix_cache_hits: int = 0
     num_adds_processed: int = 0
     busy: bool = False
+    # Speculative decoding counters (engine.stats()'s spec_* entries); None when off.
+    spec_decode: dict | None = None
     time: float = field(default_factory=time.monotonic)
 
 
@@ -443,4 +445,5 @@ def _snapshot(engine: LLMEngine, num_adds: int) -> EngineSnapshot:
         prefix_cache_hits=s["prefix_cache_hits"],
         num_adds_processed=num_adds,
         busy=engine.has_unfinished_requests(),
+        spec_decode={k: v for k, v in s.items() if k.startswith("spec_")} or None,
     )

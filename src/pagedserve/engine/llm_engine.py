@@ -20,7 +20,11 @@ from ..core.scheduler import Scheduler
 from ..model.loader import LoadedModel, load_model
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 from ..sampling_params import SamplingParams, child_seed
-from ..worker.model_runner import ModelRunner, RunnerOutput
+from ..spec_decode.config import SpeculativeConfig
+from ..spec_decode.draft_model import DraftModelProposer, scratch_blocks_per_seq
+from ..spec_decode.metrics import SpecDecodeStats
+from ..spec_decode.ngram import NgramProposer
+from ..worker.model_runner import ModelRunner, RunnerOutput, allocate_kv_caches
 from ..worker.sampler import make_generator
 from .detokenizer import IncrementalDetokenizer
 
@@ -77,11 +81,28 @@ class LLMEngine:
         mc = self.loaded.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
 
+        spec = config.speculative_config
+        draft = self._load_draft(spec)
         kv_memory = config.kv_cache_memory or default_kv_cache_memory()
         bytes_per_block = mc.kv_bytes_per_token() * config.block_size
-        num_blocks = kv_memory // bytes_per_block
+        self_layers = spec.self_draft_layers if spec is not None else None
+        separate_draft = draft is not None and self_layers is None
+        if separate_draft:
+            bytes_per_block += draft.config.kv_bytes_per_token() * config.block_size
+        # A draft model writes unverified positions into runner-private scratch blocks
+        # of the layers it runs: the target's first N (self-draft) or its own.
+        num_scratch, scratch_bytes = 0, 0
+        if draft is not None:
+            drafting_seqs = min(config.max_num_seqs, spec.disable_by_batch_size or config.max_num_seqs)
+            num_scratch = drafting_seqs * scratch_blocks_per_seq(config.block_size, spec.num_speculative_tokens)
+            draft_kv = draft.config.kv_bytes_per_token()
+            if self_layers is not None:
+                draft_kv = draft_kv * self_layers // mc.num_layers
+            scratch_bytes = num_scratch * draft_kv * config.block_size
+        num_blocks = (kv_memory - scratch_bytes) // bytes_per_block
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory ({kv_memory} bytes) is below one KV block ({bytes_per_block} bytes)")
+            raise ValueError(f"kv_cache_memory ({kv_memory} bytes) is below one KV block ({bytes_per_block} bytes)"
+                             + (f" plus {scratch_bytes} bytes of draft scratch" if scratch_bytes else ""))
         budget = config.effective_max_num_batched_tokens(self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -107,7 +128,24 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=tuple(self.tokenizer.stop_token_ids),
             attention_backend=config.attention_backend,
+            num_scratch_blocks=num_scratch if self_layers is not None else 0,
+            num_scratch_layers=self_layers or 0,
         )
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec is not None else None
+        self._propose = None
+        if spec is not None and spec.method == "ngram":
+            self._propose = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                          spec.prompt_lookup_max).propose
+        elif draft is not None:
+            runner = self.runner
+            runner.drafter = DraftModelProposer(
+                draft.model,
+                allocate_kv_caches(draft.model, num_blocks + num_scratch, config.block_size) if separate_draft
+                else runner.kv_caches[:self_layers],
+                runner.block_tables, runner.backend, config.block_size, spec.num_speculative_tokens,
+                scratch_start=num_blocks, max_num_seqs=drafting_seqs, shares_target_cache=not separate_draft,
+            )
+            self._propose = runner.propose_drafts
         self._tracked: dict[str, _Tracked] = {}
         self._streamed: list[CompletionOutput] = []  # outputs whose deltas the last step set
         self._ids = itertools.count()
@@ -117,6 +155,25 @@ class LLMEngine:
             self.loaded.name, time.perf_counter() - start, num_blocks * bytes_per_block / 2**30, num_blocks,
             config.block_size, num_blocks * config.block_size, self.max_model_len, budget,
         )
+
+    def _load_draft(self, spec: SpeculativeConfig | None) -> LoadedModel | None:
+        """The draft model: the target itself for "self:N", else a model sharing its tokenizer."""
+        if spec is None or spec.method != "draft_model":
+            return None
+        layers = spec.self_draft_layers
+        if layers is not None:
+            if layers >= self.loaded.config.num_layers:
+                raise ValueError(f'speculative_config.model "self:{layers}" must use fewer layers than the '
+                                 f"target's {self.loaded.config.num_layers}")
+            return self.loaded
+        draft = load_model(spec.model)
+        probe = "Speculative decoding needs one vocabulary: ¿sí? 123 <|im_end|>"
+        if (draft.config.vocab_size != self.loaded.config.vocab_size
+                or draft.tokenizer.encode(probe) != self.tokenizer.encode(probe)
+                or draft.tokenizer.eos_token_id != self.tokenizer.eos_token_id):
+            raise ValueError(f"speculative_config.model {spec.model!r} does not share the target's tokenizer "
+                             f"(vocab {draft.config.vocab_size} vs {self.loaded.config.vocab_size})")
+        return draft
 
     # -- requests in -------------------------------------------------------------------
 
@@ -199,6 +256,10 @@ class LLMEngine:
         result = self.runner.execute(sched)
         updates = self.scheduler.update(sched, result.sampled)
         now = time.monotonic()
+        if self.spec_stats is not None:
+            for row in sched.scheduled:
+                if row.draft_token_ids and row.request_id in result.sampled:
+                    self.spec_stats.observe(len(row.draft_token_ids), len(result.sampled[row.request_id]) - 1)
         logprobs = self._logprobs_by_sample(result)
         changed: dict[str, _Tracked] = {}
         for update in updates:
@@ -208,26 +269,40 @@ class LLMEngine:
                 continue
             self._apply(tracked, req, update.new_token_ids, update.finished, logprobs.get((req.parent_id or req.request_id, req.index)), now)
             changed[tracked.request_id] = tracked
+        if self._propose is not None:
+            self._propose_drafts()
         return [self._output(t) for t in changed.values()]
 
+    def _propose_drafts(self) -> None:
+        """Give every running decode proposals for the next step (unless the batch is
+        past disable_by_batch_size, where verification would cost more than it saves)."""
+        running = self.scheduler.running
+        limit = self.config.speculative_config.disable_by_batch_size
+        if not running or (limit and len(running) > limit):
+            return
+        decodes = [r for r in running
+                   if r.num_tokens - r.num_computed_tokens == 1 and r.max_tokens - r.num_output_tokens > 1]
+        for req, drafts in zip(decodes, self._propose(decodes)):
+            req.spec_token_ids = drafts
+
     def _apply(self, tracked: _Tracked, req: Request, new_ids: list[int], finished: RequestStatus | None,
-               logprobs: TokenLogprobs | None, now: float) -> None:
+               logprobs: list[TokenLogprobs] | None, now: float) -> None:
         seq = tracked.sequences.get(req.index)
         if seq is None:
             seq = self._new_sequence(tracked, req)
         out = seq.output
         self._streamed.append(out)
+        delta, stop, new_ids = self._detokenize(seq.detokenizer, new_ids)
         out.token_ids.extend(new_ids)
         out.delta_token_ids.extend(new_ids)
         if out.logprobs is not None and logprobs is not None:
-            out.logprobs.append(logprobs)
+            out.logprobs.extend(logprobs[: len(new_ids)])
         m = tracked.metrics
         if m.first_token_time is None:
             m.first_token_time = now
             m.num_cached_tokens = req.num_cached_tokens or 0
         m.last_token_time = now
         m.num_preemptions = max(m.num_preemptions, req.num_preemptions)
-        delta, stop = seq.detokenizer.update(new_ids)
         out.text += delta
         out.delta_text += delta
         if stop is not None and finished is None:
@@ -243,6 +318,20 @@ class LLMEngine:
             tracked.num_finished += 1
             if tracked.finished:
                 m.finished_time = now
+
+    @staticmethod
+    def _detokenize(detokenizer: IncrementalDetokenizer, new_ids: list[int]) -> tuple[str, str | None, list[int]]:
+        """Text delta and stop-string hit for this step's tokens, and the tokens kept:
+        with several tokens (accepted drafts) the ones after a stop string are dropped."""
+        if len(new_ids) == 1:
+            return (*detokenizer.update(new_ids), new_ids)
+        text = ""
+        for i, token in enumerate(new_ids):
+            delta, stop = detokenizer.update([token])
+            text += delta
+            if stop is not None:
+                return text, stop, new_ids[: i + 1]
+        return text, None, new_ids
 
     def _new_sequence(self, tracked: _Tracked, req: Request) -> _Sequence:
         params = tracked.params
@@ -263,19 +352,20 @@ class LLMEngine:
         tracked.sequences[req.index] = seq
         return seq
 
-    def _logprobs_by_sample(self, result: RunnerOutput) -> dict[tuple[str, int], TokenLogprobs]:
-        """Logprobs rows keyed by (root request id, sample index)."""
+    def _logprobs_by_sample(self, result: RunnerOutput) -> dict[tuple[str, int], list[TokenLogprobs]]:
+        """Logprobs rows keyed by (root request id, sample index), in position order
+        (several for a speculative row: one per verified position)."""
         lp = result.logprobs
         if lp is None:
             return {}
-        out: dict[tuple[str, int], TokenLogprobs] = {}
+        out: dict[tuple[str, int], list[TokenLogprobs]] = {}
         ids, values, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.sampled_ranks.tolist()
         for (req, index), row_ids, row_vals, rank in zip(result.logprob_samples, ids, values, ranks):
             k = req.sampling.params.logprobs
             entry = {row_ids[0]: Logprob(row_vals[0], rank, self.tokenizer.decode([row_ids[0]]))}
             for r, (tok, val) in enumerate(zip(row_ids[1 : k + 1], row_vals[1 : k + 1]), start=1):
                 entry.setdefault(tok, Logprob(val, r, self.tokenizer.decode([tok])))
-            out[(req.parent_id or req.request_id, index)] = entry
+            out.setdefault((req.parent_id or req.request_id, index), []).append(entry)
         return out
 
     def _output(self, tracked: _Tracked) -> RequestOutput:
@@ -300,4 +390,5 @@ class LLMEngine:
             "num_preemptions": s.num_preemptions,
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,
+            **(self.spec_stats.as_dict() if self.spec_stats is not None else {}),
         }

@@ -5,6 +5,10 @@ per-sequence numbers (start position, tokens to compute, samples wanted): token
 positions, the slot of each new token, the padded block tables and the rows whose
 logits are needed. The only per-sequence Python work is reading each request's
 new token ids and block-table diff.
+
+Speculative rows (a decode followed by draft tokens) need logits at every one of
+their positions; their samples are verified against the drafts (spec_decode/verify.py)
+and only the accepted tokens plus the target's own are returned.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from ..core.outputs import SchedulerOutput
 from ..core.request import Request
 from ..model.llama import LlamaModel
 from .block_table import BlockTableRows
-from .sampler import LogprobsTensors, SamplingRow, build_sampling_metadata, sample
+from .row_sampling import RunnerOutput, sample_rows
 
 logger = logging.getLogger(__name__)
 
@@ -31,23 +35,22 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
-    sampled_requests: list  # ScheduledRequest per logits row (repeated at a fork point)
+    # Rows that sample, in order, and where each one's logits rows start.
+    sampling: list  # ScheduledRequest
+    first_logits_row: np.ndarray
 
 
-@dataclass
-class RunnerOutput:
-    # Sampled token ids per request id: one each, n at a parallel-sampling fork point.
-    sampled: dict[str, list[int]]
-    # Logprobs of the rows that asked for them (None when none did), and for each
-    # such row the request it was sampled for and the sample index (i at a fork).
-    logprobs: LogprobsTensors | None
-    logprob_samples: list[tuple[Request, int]]
-
-
-def allocate_kv_caches(model: LlamaModel, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+def allocate_kv_caches(
+    model: LlamaModel, num_blocks: int, block_size: int, num_extra_blocks: int = 0, num_extra_layers: int = 0
+) -> list[torch.Tensor]:
+    """Per layer [2, num_blocks, block_size, kv_heads, head_dim]; the first
+    num_extra_layers layers get num_extra_blocks more (a self-draft's scratch)."""
     c = model.config
-    shape = (2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
-    return [torch.zeros(shape, dtype=torch.float32) for _ in range(c.num_layers)]
+    return [
+        torch.zeros((2, num_blocks + (num_extra_blocks if i < num_extra_layers else 0), block_size,
+                     c.num_kv_heads, c.head_dim), dtype=torch.float32)
+        for i in range(c.num_layers)
+    ]
 
 
 class ModelRunner:
@@ -60,13 +63,19 @@ class ModelRunner:
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
         attention_backend: str | None = None,
+        num_scratch_blocks: int = 0,
+        num_scratch_layers: int = 0,
     ):
         self.model = model
         self.block_size = block_size
-        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size)
+        # Scratch blocks (ids num_blocks and up) belong to the runner, not the pool: a
+        # self-draft writes its unverified positions there, in the layers it runs.
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, num_scratch_blocks, num_scratch_layers)
         self.backend = get_backend(attention_backend)
         self.block_tables = BlockTableRows(max_num_seqs, -(-max_model_len // block_size))
         self.eos_token_ids = eos_token_ids
+        # A DraftModelProposer when speculating with a draft model (see spec_decode/).
+        self.drafter = None
 
     # -- per-step state ---------------------------------------------------------------
 
@@ -98,9 +107,14 @@ class ModelRunner:
         starts = np.fromiter((s.start for s in sched), np.int64, len(sched))
         num_new = np.fromiter((s.num_new_tokens for s in sched), np.int64, len(sched))
         num_samples = np.fromiter((s.num_samples for s in sched), np.int64, len(sched))
+        num_drafts = np.fromiter((len(s.draft_token_ids) for s in sched), np.int64, len(sched))
         token_ids: list[int] = []
         for s in sched:
-            token_ids.extend(s.request.all_token_ids[s.start : s.start + s.num_new_tokens])
+            if s.draft_token_ids:
+                token_ids.extend(s.request.all_token_ids[s.start : s.start + s.num_new_tokens - len(s.draft_token_ids)])
+                token_ids.extend(s.draft_token_ids)
+            else:
+                token_ids.extend(s.request.all_token_ids[s.start : s.start + s.num_new_tokens])
 
         cu = np.zeros(len(sched) + 1, dtype=np.int64)
         np.cumsum(num_new, out=cu[1:])
@@ -112,8 +126,13 @@ class ModelRunner:
         slots = self.block_tables.table[token_rows, positions // bs] * bs + positions % bs
         width = int((seq_lens.max() + bs - 1) // bs) if len(sched) else 0
         block_tables = self.block_tables.table[rows, :width]
-        logits_indices = np.repeat(cu[1:] - 1, num_samples)
-        sampled_requests = [s for s, k in zip(sched, num_samples.tolist()) for _ in range(k)]
+        # A row's last position, repeated n times at a fork; a speculative row's last
+        # 1 + k positions, one each.
+        cu_samples = np.zeros(len(sched) + 1, dtype=np.int64)
+        np.cumsum(num_samples, out=cu_samples[1:])
+        within = np.arange(cu_samples[-1]) - np.repeat(cu_samples[:-1], num_samples)
+        logits_indices = np.repeat(cu[1:] - 1 - num_drafts, num_samples) + within * np.repeat(num_drafts > 0, num_samples)
+        sampling = [s for s, k in zip(sched, num_samples.tolist()) if k]
 
         meta = AttentionMetadata(
             query_start_loc=torch.from_numpy(cu),
@@ -129,7 +148,8 @@ class ModelRunner:
             positions=torch.from_numpy(positions),
             meta=meta,
             logits_indices=torch.from_numpy(logits_indices),
-            sampled_requests=sampled_requests,
+            sampling=sampling,
+            first_logits_row=cu_samples[:-1][num_samples > 0],
         )
 
     @torch.inference_mode()
@@ -145,28 +165,12 @@ class ModelRunner:
         logits = self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend, inputs.logits_indices
         )
-        if not inputs.sampled_requests:
+        if self.drafter is not None and self.drafter.needs_catch_up:
+            self.drafter.catch_up(inputs.input_ids, inputs.positions, inputs.meta)
+        if not inputs.sampling:
             return RunnerOutput({}, None, [])
-        return self._sample(logits, inputs.sampled_requests)
+        return sample_rows(logits, inputs.sampling, inputs.first_logits_row, self.eos_token_ids)
 
-    def _sample(self, logits: torch.Tensor, sampled_requests: list) -> RunnerOutput:
-        rows: list[SamplingRow] = []
-        samples: list[tuple[Request, int]] = []
-        previous, index = None, 0
-        for s in sampled_requests:
-            req = s.request
-            state = req.sampling
-            # Rows of one request are adjacent; more than one only at a parallel-sampling
-            # fork, where sample i is drawn with child i's own generator.
-            index = index + 1 if s is previous else 0
-            previous = s
-            generator = state.fork_generators[index] if s.num_samples > 1 else state.generator
-            rows.append(SamplingRow(state.params, req.prompt_token_ids, req.output_token_ids, generator))
-            samples.append((req, index if s.num_samples > 1 else req.index))
-        meta = build_sampling_metadata(rows, logits.shape[-1], self.eos_token_ids)
-        result = sample(logits, meta)
-        sampled: dict[str, list[int]] = {}
-        for s, tok in zip(sampled_requests, result.sampled_token_ids.tolist()):
-            sampled.setdefault(s.request_id, []).append(tok)
-        logprob_samples = [samples[r] for r in result.logprobs.rows.tolist()] if result.logprobs else []
-        return RunnerOutput(sampled, result.logprobs, logprob_samples)
+    def propose_drafts(self, requests: list[Request]) -> list[list[int]]:
+        """Draft-model proposals for running decodes (between steps)."""
+        return self.drafter.propose(requests)

@@ -47,6 +47,24 @@ class _EngineCollector(Collector):
             metric = family(PREFIX + name, doc, labels=labels)
             metric.add_metric([self._model], value)
             yield metric
+        if snap.spec_decode is not None:
+            yield from self._spec_decode(snap.spec_decode)
+
+    def _spec_decode(self, spec: dict) -> Iterator[Metric]:
+        for name, doc, key in (
+            ("spec_decode_num_drafts", "Speculative drafts (one request's proposals in one step).", "spec_num_drafts"),
+            ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", "spec_num_draft_tokens"),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_num_accepted_tokens"),
+        ):
+            metric = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            metric.add_metric([self._model], spec[key])
+            yield metric
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Drafts whose tokens up to this position were all accepted.",
+                                      labels=["model_name", "position"])
+        for pos, count in enumerate(spec["spec_accepted_per_pos"]):
+            per_pos.add_metric([self._model, str(pos)], count)
+        yield per_pos
 
 
 class ServerMetrics:

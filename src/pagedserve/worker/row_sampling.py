@@ -1,0 +1,70 @@
+"""Turning a step's logits into tokens per request: plain rows, parallel-sampling
+fork rows (n samples, each with its child's generator) and speculative rows (one
+sample per verified position, then the accepted prefix; see spec_decode/verify.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..core.request import Request
+from ..spec_decode.verify import num_accepted
+from .sampler import LogprobsTensors, SamplingRow, build_sampling_metadata, sample
+
+
+@dataclass
+class RunnerOutput:
+    # Sampled token ids per request id: one each, n at a parallel-sampling fork point,
+    # the accepted drafts plus one for a speculative row.
+    sampled: dict[str, list[int]]
+    # Logprobs of the rows that asked for them (None when none did), and for each
+    # such row the request it was sampled for and the sample index (i at a fork).
+    logprobs: LogprobsTensors | None
+    logprob_samples: list[tuple[Request, int]]
+
+
+def sample_rows(
+    logits: torch.Tensor, sampling: list, first_logits_row: np.ndarray, eos_token_ids: tuple[int, ...] = ()
+) -> RunnerOutput:
+    """Sample every logits row of a step and verify speculative rows.
+
+    `sampling` holds the step's rows that sample (ScheduledRequests) in order, row i
+    owning logits rows first_logits_row[i] .. + num_samples.
+    """
+    rows: list[SamplingRow] = []
+    samples: list[tuple[Request, int]] = []
+    for s in sampling:
+        req = s.request
+        state = req.sampling
+        if s.draft_token_ids:
+            # Position j is sampled as if drafts 0 .. j - 1 were already output.
+            history = list(req.output_token_ids)
+            for j in range(s.num_samples):
+                rows.append(SamplingRow(state.params, req.prompt_token_ids, history[:], state.generator))
+                samples.append((req, req.index))
+                if j < len(s.draft_token_ids):
+                    history.append(s.draft_token_ids[j])
+        elif s.num_samples > 1:
+            # A parallel-sampling fork: sample i is drawn with child i's own generator.
+            for i in range(s.num_samples):
+                rows.append(SamplingRow(state.params, req.prompt_token_ids, req.output_token_ids,
+                                        state.fork_generators[i]))
+                samples.append((req, i))
+        else:
+            rows.append(SamplingRow(state.params, req.prompt_token_ids, req.output_token_ids, state.generator))
+            samples.append((req, req.index))
+    meta = build_sampling_metadata(rows, logits.shape[-1], eos_token_ids)
+    result = sample(logits, meta)
+    tokens = result.sampled_token_ids.numpy()
+    keep = np.fromiter((s.num_samples for s in sampling), np.int64, len(sampling))
+    speculative = [i for i, s in enumerate(sampling) if s.draft_token_ids]
+    if speculative:
+        keep[speculative] = 1 + num_accepted(
+            tokens, first_logits_row[speculative], [sampling[i].draft_token_ids for i in speculative]
+        )
+    sampled = {
+        s.request_id: tokens[f : f + n].tolist() for s, f, n in zip(sampling, first_logits_row.tolist(), keep.tolist())
+    }
+    logprob_samples = [samples[r] for r in result.logprobs.rows.tolist()] if result.logprobs else []
+    return RunnerOutput(sampled, result.logprobs, logprob_samples)

@@ -1,0 +1,47 @@
+"""Helpers for tests that drive the engine on the real model."""
+from __future__ import annotations
+
+from pagedserve import LLM, SamplingParams
+
+KV_BYTES_PER_BLOCK = 30 * 2 * 3 * 64 * 4 * 16  # SmolLM2-135M, fp32, block 16
+
+
+def make_llm(loaded, **options) -> LLM:
+    """An LLM over the already-loaded weights (loading is not what these tests test)."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    options.setdefault("kv_cache_memory", 256 * KV_BYTES_PER_BLOCK)
+    llm = LLM.__new__(LLM)
+    llm.engine = LLMEngine(EngineConfig(**options), loaded=loaded)
+    return llm
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    stats = llm.stats()
+    assert stats["kv_free_blocks"] == stats["kv_total_blocks"], stats
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    llm.engine.scheduler.check_invariants()
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def seeded(seed: int) -> SamplingParams:
+    return SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=seed, max_tokens=24, ignore_eos=True)
+
+
+def busy_batch(tokenizer) -> tuple[list, list[SamplingParams]]:
+    """32 mixed requests: long and short prompts, greedy and seeded sampling, some
+    sharing a prefix so the prefix cache gets hits."""
+    shared = tokenizer.encode("You are a careful assistant. Answer briefly and precisely. " * 6)
+    prompts, params = [], []
+    for i in range(32):
+        if i % 4 == 0:
+            prompts.append(shared + tokenizer.encode(f" Question {i}: what is {i} + {i}?"))
+        elif i % 4 == 1:
+            prompts.append(tokenizer.encode(f"Story {i}: " + "the quick brown fox jumps over the lazy dog " * (i % 9 + 1)))
+        else:
+            prompts.append(tokenizer.encode(f"List {i} facts about the number {i * 7}:"))
+        params.append(GREEDY if i % 2 == 0 else seeded(1000 + i))
+    return prompts, params
