@@ -4,6 +4,8 @@ Measured in one run, so the ratios hold on a noisy machine:
   * the machine's fp32 matmul rate (2048^3 GEMM) and GEMV bandwidth;
   * decode: one step with N running sequences of ~C tokens of context, through the
     real scheduler, runner, paged attention and sampler;
+  * the decode step's GEMMs alone at the same batch: the share of the matmul rate a
+    step could reach with free attention and no overhead;
   * prefill: one 1,024-token prompt in a single step.
 FLOPs counted: 2 x (non-embedding params) per token, plus 2 x vocab x hidden per
 sampled row (the logits), plus attention (4 x layers x heads x head_dim x context
@@ -79,6 +81,23 @@ def measure_decode(engine: LLMEngine, num_seqs: int, context: int, steps: int) -
     return {"step_s": times[i], "model_s": model_times[i], "gflops": flops[i] / times[i] / 1e9}
 
 
+def linear_layers_seconds(engine: LLMEngine, rows: int) -> float:
+    """The decode step's GEMMs alone (every layer's qkv, o, gate_up, down, and the head)
+    at `rows` rows, best of 5: what a step would take with free attention and no overhead."""
+    model = engine.runner.model
+    x = {n: torch.randn(rows, n) for n in {model.config.hidden_size, model.config.intermediate_size,
+                                           model.config.num_heads * model.config.head_dim}}
+    weights = [m.weight for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    weights.append(model.head_weight)
+
+    def run() -> None:
+        for w in weights:
+            torch.nn.functional.linear(x[w.shape[1]], w)
+
+    with torch.inference_mode():
+        return best_seconds(run, 5)
+
+
 def measure_prefill(engine: LLMEngine, length: int, reps: int) -> dict:
     results = []
     for r in range(reps):
@@ -114,6 +133,9 @@ def main() -> None:
     print(f"decode: {args.decode_seqs} seqs x ~{args.context} ctx: step {d['step_s'] * 1e3:.1f} ms, "
           f"{d['gflops']:.1f} GFLOP/s = {d['gflops'] / mm:.0%} of matmul rate; "
           f"overhead outside the forward {overhead:.1%}")
+    gemm_s = linear_layers_seconds(engine, args.decode_seqs)
+    print(f"ceiling: the step's GEMMs alone at {args.decode_seqs} rows take {gemm_s * 1e3:.1f} ms = "
+          f"{d['gflops'] * d['step_s'] / gemm_s / mm:.0%} of matmul rate with free attention and no overhead")
     p = measure_prefill(engine, args.prefill_len, 3)
     print(f"prefill: {args.prefill_len} tokens in one step: {p['step_s'] * 1e3:.0f} ms, "
           f"{p['gflops']:.1f} GFLOP/s = {p['gflops'] / mm:.0%} of matmul rate")
