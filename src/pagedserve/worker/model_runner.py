@@ -19,6 +19,7 @@ from ..attention.selector import get_backend
 from ..core.outputs import SchedulerOutput
 from ..core.request import Request
 from ..model.llama import LlamaModel
+from ..structured_output.logits import constrain
 from .block_table import BlockTableRows
 from .sampler import LogprobsTensors, SamplingRow, build_sampling_metadata, sample
 
@@ -152,6 +153,7 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, sampled_requests: list) -> RunnerOutput:
         rows: list[SamplingRow] = []
         samples: list[tuple[Request, int]] = []
+        matchers = []
         previous, index = None, 0
         for s in sampled_requests:
             req = s.request
@@ -161,10 +163,14 @@ class ModelRunner:
             index = index + 1 if s is previous else 0
             previous = s
             generator = state.fork_generators[index] if s.num_samples > 1 else state.generator
+            matchers.append(state.fork_matchers[index] if s.num_samples > 1 else state.matcher)
             rows.append(SamplingRow(state.params, req.prompt_token_ids, req.output_token_ids, generator))
             samples.append((req, index if s.num_samples > 1 else req.index))
         meta = build_sampling_metadata(rows, logits.shape[-1], self.eos_token_ids)
+        grammar = constrain(logits, matchers)  # before any other processing; None when no row is constrained
         result = sample(logits, meta)
+        if grammar is not None:
+            grammar.accept(result.sampled_token_ids)
         sampled: dict[str, list[int]] = {}
         for s, tok in zip(sampled_requests, result.sampled_token_ids.tolist()):
             sampled.setdefault(s.request_id, []).append(tok)
