@@ -101,7 +101,7 @@ def mixed_batch(llm: LLM) -> tuple[list[str], list[SamplingParams]]:
     prompts, params = [], []
     for i in range(31):
         question, schema = SCHEMAS[(1, 2, 11, 17)[i % 4]]  # short answers
-        long_tail = " Please think about it carefully." * (i % 5) * 4  # up to ~150 tokens: chunked
+        long_tail = " Please think about it carefully." * (i % 5) * 3  # up to ~110 tokens: chunked
         prompts.append(chat(llm, f"{question}{long_tail}"))
         if i % 3 == 0:
             params.append(SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
@@ -141,11 +141,12 @@ def test_parallel_samples_each_follow_the_grammar(llm):
 
 
 def test_preempted_requests_keep_their_grammar_state(loaded, llm):
-    chosen = [SCHEMAS[i] for i in (0, 4, 10, 16)]
-    prompts = [chat(llm, f"{q} Answer in JSON. " + "Be thorough and precise. " * 6) for q, _ in chosen]
+    chosen = [SCHEMAS[i] for i in (0, 5, 6, 12)]
+    prompts = [chat(llm, f"{q} Answer in JSON. Be thorough and precise.") for q, _ in chosen]
     params = [json_params(schema) for _, schema in chosen]
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    small = make_llm(loaded, kv_cache_memory=18 * KV_BYTES_PER_BLOCK, max_num_batched_tokens=64, max_num_seqs=4)
+    # Ten blocks: three prompts fit, and their growing outputs then evict one another.
+    small = make_llm(loaded, kv_cache_memory=10 * KV_BYTES_PER_BLOCK, max_num_batched_tokens=64, max_num_seqs=4)
     outs = small.generate(prompts, params, use_tqdm=False)
     assert small.stats()["num_preemptions"] > 0
     assert [o.outputs[0].token_ids for o in outs] == expected
