@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from .test_server_validation import CHAT, COMPLETIONS, assert_openai_error
+from .test_server_validation import CHAT, COMPLETIONS, FUZZ_VALUES, assert_openai_error
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -92,3 +92,14 @@ def test_bad_constraint_is_a_400_and_the_server_keeps_serving(http, path, fields
     assert message in r.json()["error"]["message"]
     ok = http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2, "guided_choice": ["ok"]})
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "ok"
+
+
+def test_no_5xx_for_odd_response_formats(http):
+    odd = [*FUZZ_VALUES, {"type": None}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": []},
+           {"type": "json_schema", "json_schema": {"schema": "x"}}, {"type": "json_schema", "json_schema": {"schema": {
+               "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}]
+    for value in odd:
+        r = http.post(CHAT, json={"messages": MESSAGES, "max_tokens": 1, "response_format": value})
+        assert r.status_code < 500, (value, r.text)
+        if r.status_code >= 400:
+            assert_openai_error(r, r.status_code, "response_format")
