@@ -135,3 +135,17 @@ def test_compile_time_limit_is_a_value_error(tokenizer):
     slow = StructuredOutputManager(tokenizer, tokenizer.vocab_size, compile_timeout=0.001)
     with pytest.raises(ValueError, match="took longer than"):
         slow.compile(StructuredOutputs(regex="[0-9]+"))
+
+
+def test_missing_backend_package_is_a_value_error(tokenizer, monkeypatch):
+    import sys
+
+    from pagedserve.structured_output.backend import make_backend
+
+    # As on an install without the `guided` extra: importing llguidance fails.
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    monkeypatch.delitem(sys.modules, "pagedserve.structured_output.llguidance_backend", raising=False)
+    with pytest.raises(ValueError, match=r"pagedserve\[guided\]"):
+        make_backend("llguidance", tokenizer, tokenizer.vocab_size)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        make_backend("xgrammar", tokenizer, tokenizer.vocab_size)
