@@ -33,7 +33,8 @@ class StructuredOutputManager:
         self._cache_size = cache_size
         # Finished and in-flight compiles: a second request for a spec being compiled waits on the same one.
         self._cache: OrderedDict[tuple[str, str], Future[Grammar]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the cache
+        self._backend_lock = threading.Lock()  # the backend is built once, without holding up cache hits
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
 
     def compile(self, spec: StructuredOutputs) -> Grammar:
@@ -67,7 +68,7 @@ class StructuredOutputManager:
         return [grammar.matcher() for _ in range(n)]
 
     def _compile(self, kind: str, text: str) -> Grammar:
-        with self._lock:
+        with self._backend_lock:
             if self._backend is None:
                 self._backend = make_backend(self._backend_name, self._tokenizer, self._vocab_size)
             backend = self._backend
