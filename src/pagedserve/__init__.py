@@ -5,13 +5,14 @@ import importlib
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "RequestOutput", "CompletionOutput"]
 
 # Imported on first use, so `pagedserve.core` (pure Python) stays importable
 # without torch: the simulator and the core tests depend on that.
 _LAZY = {
     "LLM": "pagedserve.engine.llm",
     "SamplingParams": "pagedserve.sampling_params",
+    "StructuredOutputs": "pagedserve.structured_output.spec",
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
 }
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from .engine.llm import LLM
     from .outputs import CompletionOutput, RequestOutput
     from .sampling_params import SamplingParams
+    from .structured_output.spec import StructuredOutputs
 
 
 def __getattr__(name: str):

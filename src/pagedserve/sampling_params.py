@@ -14,6 +14,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from .structured_output.spec import StructuredOutputs
+
 # Below this temperature the softmax is a one-hot in float32 anyway; sampling
 # would only add noise and a division by ~0, so such requests are greedy.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -123,6 +125,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Constrain the output to a JSON schema, regex, choice or grammar (see StructuredOutputs).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         _require_range("n", _require_int("n", self.n), 1, math.inf, ">= 1")
@@ -161,6 +165,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _optional_logprobs("logprobs", self.logprobs)
         _optional_logprobs("prompt_logprobs", self.prompt_logprobs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputs or None, got {type(self.structured_outputs).__name__}"
+            )
 
     @property
     def is_greedy(self) -> bool:

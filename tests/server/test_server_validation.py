@@ -137,7 +137,8 @@ def test_default_chat_max_tokens_fills_the_context(http):
 # Odd values for every field, one at a time: none may produce a 5xx.
 FUZZ_FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "logprobs", "stop",
                "stop_token_ids", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
-               "ignore_eos", "echo", "stream_options", "priority", "cache_salt", "min_tokens", "model"]
+               "ignore_eos", "echo", "stream_options", "priority", "cache_salt", "min_tokens", "model",
+               "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"]
 FUZZ_VALUES = [None, -1, 2**70, -1e308, "", "x", [], [None], {"a": None}, True]
 
 

@@ -24,6 +24,8 @@ from ..spec_decode.config import SpeculativeConfig
 from ..spec_decode.draft_model import DraftModelProposer, scratch_blocks_per_seq
 from ..spec_decode.metrics import SpecDecodeStats
 from ..spec_decode.ngram import NgramProposer
+from ..structured_output.backend import Matcher
+from ..structured_output.manager import StructuredOutputManager
 from ..worker.model_runner import ModelRunner, RunnerOutput, allocate_kv_caches
 from ..worker.sampler import make_generator
 from .detokenizer import IncrementalDetokenizer
@@ -39,6 +41,10 @@ class SamplingState:
     generator: torch.Generator | None
     # At a parallel-sampling fork, sample i is drawn with fork_generators[i].
     fork_generators: list[torch.Generator | None] = field(default_factory=list)
+    # The grammar matcher of a structured-output request (None otherwise); at a fork,
+    # sample i advances fork_matchers[i].
+    matcher: Matcher | None = None
+    fork_matchers: list[Matcher | None] = field(default_factory=list)
 
 
 def _generators(params: SamplingParams) -> list[torch.Generator | None]:
@@ -146,6 +152,7 @@ class LLMEngine:
                 scratch_start=num_blocks, max_num_seqs=drafting_seqs, shares_target_cache=not separate_draft,
             )
             self._propose = runner.propose_drafts
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, mc.vocab_size)
         self._tracked: dict[str, _Tracked] = {}
         self._streamed: list[CompletionOutput] = []  # outputs whose deltas the last step set
         self._ids = itertools.count()
@@ -211,6 +218,12 @@ class LLMEngine:
                     f"prompt ({len(prompt_ids)} tokens) leaves no room to generate within max_model_len ({self.max_model_len})"
                 )
         generators = _generators(params)
+        # A parallel-sampling parent forks at its first sample, before its matcher has
+        # moved, so n fresh matchers are exactly the copies the fork would make.
+        matchers: list[Matcher | None] = (
+            self.structured_outputs.matchers(params.structured_outputs, params.n)
+            if params.structured_outputs is not None else [None] * params.n
+        )
         request = Request(
             request_id=rid,
             prompt_token_ids=prompt_ids,
@@ -223,7 +236,7 @@ class LLMEngine:
             stop_token_ids=frozenset(params.stop_token_ids) | (self.tokenizer.stop_token_ids if not params.ignore_eos else frozenset()),
             ignore_eos=params.ignore_eos,
             cache_salt=cache_salt,
-            sampling=SamplingState(params, generators[0], generators),
+            sampling=SamplingState(params, generators[0], generators, matchers[0], matchers),
         )
         self.scheduler.add_request(request)
         self._tracked[rid] = _Tracked(rid, prompt_text, prompt_ids, params, RequestMetrics(request.arrival_time))
@@ -308,6 +321,14 @@ class LLMEngine:
         if stop is not None and finished is None:
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
             finished, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        matcher = req.sampling.matcher
+        if finished is None and matcher is not None and matcher.is_terminated:
+            # The grammar is complete (only EOS could follow, which ignore_eos would
+            # refuse to stop on) or its matcher failed: either way nothing more can come.
+            if matcher.error:
+                logger.warning("request %s: structured output failed: %s", req.request_id, matcher.error)
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+            finished = RequestStatus.FINISHED_STOPPED
         if finished is not None:
             if stop is None:
                 tail = seq.detokenizer.finish()
@@ -338,7 +359,8 @@ class LLMEngine:
         if req.index > 0:
             # A freshly forked child: from now on it samples with its own generator.
             parent_state: SamplingState = req.sampling
-            req.sampling = SamplingState(params, parent_state.fork_generators[req.index])
+            req.sampling = SamplingState(params, parent_state.fork_generators[req.index],
+                                         matcher=parent_state.fork_matchers[req.index])
         seq = _Sequence(
             CompletionOutput(index=req.index, logprobs=[] if params.logprobs is not None else None),
             IncrementalDetokenizer(

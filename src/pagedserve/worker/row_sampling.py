@@ -10,6 +10,7 @@ import torch
 
 from ..core.request import Request
 from ..spec_decode.verify import num_accepted
+from ..structured_output.logits import advance, constrain
 from .sampler import LogprobsTensors, SamplingRow, build_sampling_metadata, sample
 
 
@@ -34,6 +35,9 @@ def sample_rows(
     """
     rows: list[SamplingRow] = []
     samples: list[tuple[Request, int]] = []
+    # Grammar matcher of each logits row (structured output), and the drafts before it.
+    matchers: list = []
+    drafts_before: list[tuple[int, ...]] = []
     for s in sampling:
         req = s.request
         state = req.sampling
@@ -43,6 +47,8 @@ def sample_rows(
             for j in range(s.num_samples):
                 rows.append(SamplingRow(state.params, req.prompt_token_ids, history[:], state.generator))
                 samples.append((req, req.index))
+                matchers.append(state.matcher)
+                drafts_before.append(s.draft_token_ids[:j])
                 if j < len(s.draft_token_ids):
                     history.append(s.draft_token_ids[j])
         elif s.num_samples > 1:
@@ -51,10 +57,16 @@ def sample_rows(
                 rows.append(SamplingRow(state.params, req.prompt_token_ids, req.output_token_ids,
                                         state.fork_generators[i]))
                 samples.append((req, i))
+                matchers.append(state.fork_matchers[i])
+                drafts_before.append(())
         else:
             rows.append(SamplingRow(state.params, req.prompt_token_ids, req.output_token_ids, state.generator))
             samples.append((req, req.index))
+            matchers.append(state.matcher)
+            drafts_before.append(())
     meta = build_sampling_metadata(rows, logits.shape[-1], eos_token_ids)
+    # Before any other processing, so penalties and filters only see allowed tokens.
+    constrained = constrain(logits, matchers, drafts_before)
     result = sample(logits, meta)
     tokens = result.sampled_token_ids.numpy()
     keep = np.fromiter((s.num_samples for s in sampling), np.int64, len(sampling))
@@ -66,5 +78,15 @@ def sample_rows(
     sampled = {
         s.request_id: tokens[f : f + n].tolist() for s, f, n in zip(sampling, first_logits_row.tolist(), keep.tolist())
     }
+    if constrained:
+        for s in sampling:
+            state = s.request.sampling
+            kept = sampled[s.request_id]
+            if s.num_samples > 1 and not s.draft_token_ids:
+                for matcher, token in zip(state.fork_matchers, kept):
+                    if matcher is not None:
+                        advance(matcher, (token,))
+            elif state.matcher is not None:
+                advance(state.matcher, kept)
     logprob_samples = [samples[r] for r in result.logprobs.rows.tolist()] if result.logprobs else []
     return RunnerOutput(sampled, result.logprobs, logprob_samples)

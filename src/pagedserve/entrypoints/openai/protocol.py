@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.responses import JSONResponse
 
 from ...sampling_params import SamplingParams
+from ...structured_output.spec import StructuredOutputs
 
 MAX_STOP_STRINGS = 16
 _MAX_MESSAGE_CHARS = 1000
@@ -96,10 +97,27 @@ class _GenerationRequest(_Model):
     # vLLM extras, passed to the engine.
     priority: int = 0
     cache_salt: str | None = None
+    # vLLM's structured-output fields (the guided_* ones are its older spelling).
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def structured_output_fields(self) -> dict[str, dict[str, Any]]:
+        """The structured-output fields the client set: name -> StructuredOutputs arguments."""
+        given = {
+            "guided_json": ("json", self.guided_json), "guided_regex": ("regex", self.guided_regex),
+            "guided_choice": ("choice", self.guided_choice), "guided_grammar": ("grammar", self.guided_grammar),
+        }
+        out = {param: {name: value} for param, (name, value) in given.items() if value is not None}
+        if self.structured_outputs is not None:
+            out["structured_outputs"] = self.structured_outputs
+        return out
 
 
 class CompletionRequest(_GenerationRequest):
@@ -125,6 +143,31 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = None
     chat_template: Any = None  # refused: templates are server-side code
     tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def structured_output_fields(self) -> dict[str, dict[str, Any]]:
+        out = super().structured_output_fields()
+        constraint = _response_format(self.response_format)
+        if constraint is not None:
+            out["response_format"] = constraint
+        return out
+
+
+def _response_format(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's response_format (text: no constraint, json_object, json_schema) as StructuredOutputs arguments."""
+    if value is None or value.get("type") == "text":
+        return None
+    kind = value.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        schema = value.get("json_schema")
+        if not isinstance(schema, dict) or not isinstance(schema.get("schema"), dict):
+            raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
+                           param="response_format")
+        return {"json": schema["schema"]}
+    raise APIError(400, f"response_format.type must be one of text, json_object, json_schema, got {kind!r}",
+                   param="response_format")
 
 
 class TokenizeRequest(_Model):
@@ -215,6 +258,27 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
 # -- sampling --------------------------------------------------------------------------------
 
 
+def structured_output_param(req: _GenerationRequest) -> str | None:
+    """The one structured-output field the request set (None if none); 400 for several."""
+    fields = list(req.structured_output_fields())
+    if len(fields) > 1:
+        raise APIError(400, f"give at most one structured-output field, got {', '.join(fields)}", param=fields[0])
+    return fields[0] if fields else None
+
+
+def structured_outputs(req: _GenerationRequest) -> StructuredOutputs | None:
+    """The request's output constraint, checked for shape (compiling it is the server's next step)."""
+    param = structured_output_param(req)
+    if param is None:
+        return None
+    try:
+        return StructuredOutputs(**req.structured_output_fields()[param])
+    except TypeError:
+        raise APIError(400, f"{param} takes only json, regex, choice, grammar and json_object", param=param) from None
+    except ValueError as e:
+        raise APIError(400, str(e), param=param) from None
+
+
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
     max_n: int
@@ -239,9 +303,10 @@ def sampling_params(req: _GenerationRequest, limits: RequestLimits, *, max_token
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty,
     }
+    constraint = structured_outputs(req)
     try:
         params = SamplingParams(
-            n=n, max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed,
+            structured_outputs=constraint, n=n, max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed,
             logit_bias=req.logit_bias, stop=stop, stop_token_ids=req.stop_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
             skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,

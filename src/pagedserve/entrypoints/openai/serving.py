@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 from ...engine.async_engine import AsyncEngine, EngineDeadError, GenerationRequest, RequestDelta, RequestStream, \
     SampleDelta
 from ...outputs import TokenLogprobs
+from ...sampling_params import SamplingParams
 from .protocol import APIError, M, RequestLimits, bad_request, parse_body
 
 T = TypeVar("T")
@@ -235,6 +236,17 @@ class OpenAIServing:
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run CPU work (tokenising, template rendering) in the pool, not on the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def compile_constraint(self, params: SamplingParams, param: str | None) -> None:
+        """Compile the request's structured-output constraint in the pool (the engine
+        caches it, so adding the request is then instant); 400 if it is invalid or
+        too slow to compile."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await self.off_loop(self.engine.engine.structured_outputs.compile, params.structured_outputs)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from None
 
     def room_for_output(self, num_prompt_tokens: int, max_tokens: int | None, *, prompt_param: str = "prompt",
                         max_tokens_param: str = "max_tokens") -> int:

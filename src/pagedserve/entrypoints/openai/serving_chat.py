@@ -10,7 +10,8 @@ from starlette.responses import JSONResponse, Response
 
 from ...engine.async_engine import EngineDeadError, GenerationRequest, RequestStream
 from ...outputs import TokenLogprobs
-from .protocol import APIError, ChatCompletionRequest, chat_sampling_params, messages_as_dicts
+from .protocol import APIError, ChatCompletionRequest, chat_sampling_params, messages_as_dicts, \
+    structured_output_param
 from .serving import (SSE_DONE, ChoiceTracker, OpenAIServing, ResponseMeta, SSEResponse, engine_failure_event,
                       finite_logprob, sse, until_disconnected)
 
@@ -21,6 +22,7 @@ class ChatServing(OpenAIServing):
         params = chat_sampling_params(req, self.limits)
         with self.admission.admit(1) as seat:
             prompt_ids = await self.off_loop(self.render, messages_as_dicts(req.messages))
+            await self.compile_constraint(params, structured_output_param(req))
             param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             max_tokens = self.room_for_output(len(prompt_ids), params.max_tokens, prompt_param="messages",
                                               max_tokens_param=param)

@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 from ...engine.async_engine import EngineDeadError, GenerationRequest, RequestStream, SampleDelta
 from ...outputs import TokenLogprobs
 from .protocol import APIError, CompletionRequest, Prompt, check_token_ids, completion_prompts, \
-    completion_sampling_params
+    completion_sampling_params, structured_output_param
 from .serving import SSE_DONE, ChoiceTracker, OpenAIServing, ResponseMeta, SSEResponse, engine_failure_event, \
     finite_logprob, sse, until_disconnected
 
@@ -32,6 +32,7 @@ class CompletionServing(OpenAIServing):
                                 f"{self.admission.max_queued_requests} per request", param="prompt")
         with self.admission.admit(len(prompts)) as seat:
             prepared = await self.off_loop(self._prepare, prompts, req.echo)
+            await self.compile_constraint(params, structured_output_param(req))
             for p in prepared:
                 self.room_for_output(len(p.token_ids), params.max_tokens)
             ids = [f"{meta.id}-{i}" for i in range(len(prepared))]
