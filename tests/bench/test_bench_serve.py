@@ -84,3 +84,27 @@ def test_bench_serve_against_a_real_server(tmp_path, capsys):
     chat = json.loads((tmp_path / "chat.json").read_text())["summary"]
     assert chat["successful_requests"] == 2 and chat["total_output_tokens"] == 6
     assert chat["peak_concurrency"] == 1
+
+
+def test_spec_decode_acceptance_from_two_metrics_scrapes():
+    """The counters as the server's Prometheus collector renders them, then the deltas."""
+    from types import SimpleNamespace
+
+    from pagedserve.bench.serve import parse_spec_decode_counters, spec_decode_delta
+    from pagedserve.engine.async_engine import EngineSnapshot
+    from pagedserve.entrypoints.openai.metrics import ServerMetrics
+
+    def scrape(drafts: int, proposed: int, accepted: int, per_pos: list[int]) -> dict:
+        metrics = ServerMetrics("m")
+        spec = {"spec_num_drafts": drafts, "spec_num_draft_tokens": proposed,
+                "spec_num_accepted_tokens": accepted, "spec_accepted_per_pos": per_pos}
+        metrics.watch(SimpleNamespace(snapshot=EngineSnapshot(spec_decode=spec), num_waiting=0))
+        return parse_spec_decode_counters(metrics.render().decode())
+
+    before, after = scrape(10, 30, 12, [8, 3, 1]), scrape(30, 90, 42, [24, 12, 6])
+    delta = spec_decode_delta(before, after)
+    assert (delta["drafts"], delta["draft_tokens"], delta["accepted_tokens"]) == (20, 60, 30)
+    assert delta["acceptance_rate"] == 0.5 and delta["mean_acceptance_length"] == 2.5
+    assert delta["acceptance_per_pos"] == [0.8, 0.45, 0.25]
+    assert parse_spec_decode_counters("pagedserve:num_preemptions_total 0.0\n") is None
+    assert spec_decode_delta(None, after) is None

@@ -77,8 +77,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
         tok = Tokenizer.from_gguf(args.tokenizer or default_model_path())
         texts = [tok.decode(r.prompt_token_ids, skip_special_tokens=True) for r in requests]
+    before = asyncio.run(serve.spec_decode_counters(cfg.base_url))
     outcomes, duration, peak = asyncio.run(serve.run(cfg, requests, texts, use_tqdm=not args.no_progress))
-    s = serve.summary(outcomes, duration, peak, slo, args.percentiles)
+    spec = serve.spec_decode_delta(before, asyncio.run(serve.spec_decode_counters(cfg.base_url)))
+    s = serve.summary(outcomes, duration, peak, slo, args.percentiles, spec)
     print(serve.format_summary(s, args.percentiles))
     failed = [o.error for o in outcomes if not o.success]
     if failed:

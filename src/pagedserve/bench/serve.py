@@ -13,6 +13,7 @@ import asyncio
 import json
 import math
 import random
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -193,8 +194,49 @@ async def run(cfg: ServeConfig, requests: Sequence[BenchRequest], texts: Sequenc
     return outcomes, duration, peak
 
 
+_SPEC_COUNTER = re.compile(r'^pagedserve:spec_decode_(num_drafts|num_draft_tokens|num_accepted_tokens|'
+                           r'num_accepted_tokens_per_pos)_total\{([^}]*)\} (\S+)$', re.M)
+_POSITION = re.compile(r'position="(\d+)"')
+
+
+async def spec_decode_counters(base_url: str) -> dict | None:
+    """The server's speculative-decoding counters from /metrics (None when it has none)."""
+    try:
+        async with aiohttp.ClientSession() as session, session.get(base_url.rstrip("/") + "/metrics") as resp:
+            text = await resp.text() if resp.status == 200 else ""
+    except aiohttp.ClientError:
+        return None
+    return parse_spec_decode_counters(text)
+
+
+def parse_spec_decode_counters(metrics_text: str) -> dict | None:
+    counters: dict = {}
+    for name, labels, value in _SPEC_COUNTER.findall(metrics_text):
+        position = _POSITION.search(labels)
+        if position:
+            counters.setdefault("per_pos", {})[int(position.group(1))] = float(value)
+        else:
+            counters[name] = float(value)
+    return counters or None
+
+
+def spec_decode_delta(before: dict | None, after: dict | None) -> dict | None:
+    """Acceptance over the benchmark: the counters' growth between two scrapes."""
+    if not before or not after:
+        return None
+    drafts = after["num_drafts"] - before["num_drafts"]
+    proposed = after["num_draft_tokens"] - before["num_draft_tokens"]
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    per_pos = [after.get("per_pos", {}).get(i, 0) - before.get("per_pos", {}).get(i, 0)
+               for i in sorted(after.get("per_pos", {}))]
+    return {"drafts": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+            "acceptance_per_pos": [n / drafts if drafts else 0.0 for n in per_pos]}
+
+
 def summary(outcomes: Sequence[Outcome], duration: float, peak: int, slo: SLO | None,
-            percentiles: Sequence[float]) -> dict:
+            percentiles: Sequence[float], spec_decode: dict | None = None) -> dict:
     ok = [o.record for o in outcomes if o.success]
     s = summarize(ok, duration, slo or SLO(None, None, None), percentiles)
     s["successful_requests"] = len(ok)
@@ -204,6 +246,8 @@ def summary(outcomes: Sequence[Outcome], duration: float, peak: int, slo: SLO | 
         del s["goodput"], s["goodput_requests"]
     else:
         s["request_goodput"] = s["goodput_requests"] / duration
+    if spec_decode is not None:
+        s["spec_decode"] = spec_decode
     return s
 
 
@@ -232,4 +276,10 @@ def format_summary(s: dict, percentiles: Sequence[float]) -> str:
         rows.append((f"-- {label}", ""))
         rows.append((f"Mean {name.upper()} (ms)", f"{s[f'mean_{name}_ms']:.2f}"))
         rows += [(f"P{q:g} {name.upper()} (ms)", f"{s[f'p{q:g}_{name}_ms']:.2f}") for q in percentiles]
+    spec = s.get("spec_decode")
+    if spec is not None:
+        rows += [("-- Speculative decoding", ""), ("Drafts", f"{spec['drafts']:.0f}"),
+                 ("Draft acceptance rate", f"{spec['acceptance_rate']:.1%}"),
+                 ("Mean acceptance length", f"{spec['mean_acceptance_length']:.2f}"),
+                 ("Acceptance per position", " ".join(f"{r:.2f}" for r in spec["acceptance_per_pos"]))]
     return "\n".join(f"{k:<42}{v:>12}" if v else k for k, v in rows)
