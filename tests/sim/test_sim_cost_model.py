@@ -38,14 +38,22 @@ def test_tensor_parallel_divides_work_and_adds_allreduce():
     assert two.seconds == pytest.approx(9.504 + 2.56004)
 
 
-def test_fp8_halves_weight_and_kv_bytes_and_doubles_gemm_rate():
+def test_fp8_halves_body_weights_and_kv_but_keeps_the_head_bf16():
     bf16 = CostModel(TOY, HW, "bf16")
     fp8 = CostModel(TOY, HW, "fp8")
-    assert fp8.weight_bytes == bf16.weight_bytes / 2 and fp8.kv_bytes_per_token == bf16.kv_bytes_per_token / 2
+    # Body 1280 params at 1 B; the (tied) head/embedding's 800 stay at 2 B, as FP8 checkpoints keep them.
+    assert fp8.weight_bytes == 1280 + 800 * 2 and bf16.weight_bytes == 2080 * 2
+    assert fp8.kv_bytes_per_token == bf16.kv_bytes_per_token / 2
     act = 448 * 4  # activations stay 16-bit
-    assert fp8.cost([(1, 50)] * 4, 4).bytes - act == (bf16.cost([(1, 50)] * 4, 4).bytes - act) / 2
-    assert fp8.cost([(100, 0)], 1).compute_s == pytest.approx(257_600 / 2e4 + 323_200 / 1e4)
+    assert fp8.cost([(1, 50)] * 4, 4).bytes == 2880 + 32 * 204 + act
+    # Body GEMMs at the FP8 rate, the head at BF16's, attention at BF16's.
+    assert fp8.cost([(100, 0)], 1).compute_s == pytest.approx(256_000 / 2e4 + 1600 / 1e4 + 323_200 / 1e4)
     assert CostModel(TOY, HW, "fp8", kv_dtype="bf16").kv_bytes_per_token == bf16.kv_bytes_per_token
+
+
+def test_untied_fp8_model_keeps_embedding_and_head_bf16():
+    untied = ModelConfig("llama", 100, 8, 16, 2, 2, 2, 4, 1e-5, 1e4, 1024, False)
+    assert CostModel(untied, HW, "fp8").weight_bytes == 1280 + 2 * 800 * 2
 
 
 def test_overhead_is_added_once_and_empty_step_costs_nothing():

@@ -8,10 +8,11 @@ For a step whose rows compute n_i new tokens after c_i already-computed ones
     bytes  = W                                                   every weight, read once per step
            + kv_bytes_per_token * sum_i (c_i + n_i)              context read + new K/V written
            + T * L * (4H + 2q + 2kv + 3I) * act_bytes            each layer's matmul inputs and outputs
-    time   = overhead + max(linear/F(w) + attn/F(a), bytes / B) + tp all-reduce
+    time   = overhead + max(body/F(w) + head/F(h) + attn/F(a), bytes / B) + tp all-reduce
 
 P_body excludes the LM head (V * H); F(w) is the achievable rate for the weight dtype
-(FP8 GEMMs on FP8 hardware), F(a) the activation dtype's rate for attention. With
+(FP8 GEMMs on FP8 hardware), F(h) the head's (BF16 with FP8 weights: FP8 checkpoints keep
+the LM head and embedding in BF16), F(a) the activation dtype's rate for attention. With
 tensor parallelism every term except the overhead is split tp ways and each layer adds
 two all-reduces of T * H activations (ring: 2 (tp-1)/tp of the data per GPU).
 
@@ -114,8 +115,14 @@ class CostModel:
         m = model
         h, q, kv = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
         head = m.vocab_size * h
-        self.weight_bytes = weight_params(m) * DTYPE_BYTES[weight_dtype]
-        self._read_bytes = (m.num_params) * DTYPE_BYTES[weight_dtype] / tp  # the embedding table is gathered, not read
+        # FP8 checkpoints quantise the decoder's linear layers only: the LM head is on their
+        # ignore list and the embedding is no linear layer, so both stay BF16 (and the head's
+        # GEMM runs at the BF16 rate).
+        self.head_dtype = "bf16" if weight_dtype == "fp8" else weight_dtype
+        body_bytes = (m.num_params - head) * DTYPE_BYTES[weight_dtype]
+        self.weight_bytes = body_bytes + (weight_params(m) - m.num_params + head) * DTYPE_BYTES[self.head_dtype]
+        # The embedding table is gathered, not read.
+        self._read_bytes = (body_bytes + head * DTYPE_BYTES[self.head_dtype]) / tp
         self._body_flops_per_token = 2 * (m.num_params - head)
         self._head_flops_per_sample = 2 * head
         self._attn_flops_per_pair = attention_flops_per_pair(m)
@@ -125,6 +132,7 @@ class CostModel:
         self._act_bytes_per_token = m.num_layers * (4 * h + 2 * q + 2 * kv + 3 * m.intermediate_size) \
             * DTYPE_BYTES[self.act_dtype] / tp
         self._linear_rate = hardware.flops_for(weight_dtype)
+        self._head_rate = hardware.flops_for(self.head_dtype)
         self._attn_rate = hardware.flops_for(self.act_dtype)
         self._bandwidth = hardware.achievable_bandwidth
         self._allreduce_bytes_per_token = (2 * m.num_layers * h * DTYPE_BYTES[self.act_dtype]
@@ -140,12 +148,13 @@ class CostModel:
         if self.hardware.measured is not None:
             return self._measured_cost(self.hardware.measured, rows, tokens, num_sampled)
         tp = self.tp
-        linear = self._body_flops_per_token * tokens + self._head_flops_per_sample * num_sampled
+        body = self._body_flops_per_token * tokens
+        head = self._head_flops_per_sample * num_sampled
         attn = self._attn_flops_per_pair * pairs
-        compute_s = (linear / self._linear_rate + attn / self._attn_rate) / tp
+        compute_s = (body / self._linear_rate + head / self._head_rate + attn / self._attn_rate) / tp
         nbytes = self._read_bytes + self._kv_read_per_token * context + self._act_bytes_per_token * tokens
         comm_s = (self._allreduce_bytes_per_token * tokens / self.hardware.link_bandwidth + self._allreduce_fixed)
-        return StepCost(linear + attn, nbytes, compute_s, nbytes / self._bandwidth, comm_s,
+        return StepCost(body + head + attn, nbytes, compute_s, nbytes / self._bandwidth, comm_s,
                         self.hardware.step_overhead_s)
 
     def _measured_cost(self, rates: MeasuredRates, rows: list[tuple[int, int]], tokens: int,

@@ -34,18 +34,6 @@ def best_seconds(fn, repeats: int) -> float:
     return best
 
 
-def median_seconds(fn, repeats: int) -> float:
-    """The median, not the best: the machine is shared, and the engine it stands in for runs
-    under the same load."""
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def measure_matmul_flops(m: int = 512, k: int = 1024, n: int = 1024) -> float:
     import torch
 
@@ -59,7 +47,20 @@ def _engine(policy: str = "chunked", **options):
     return LLM(policy=policy, **options)
 
 
-def measure_linear_ladders(model, rows: tuple[int, ...] = LADDER_ROWS) -> tuple[Ladder, Ladder]:
+def interleaved_medians(fns: list, rounds: int) -> list[float]:
+    """Median seconds of each function, timed in turn round after round (after a warm-up
+    round), so that a change in the shared machine's load reaches all of them alike."""
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(rounds + 1):
+        for fn, record in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            if r:
+                record.append(time.perf_counter() - t0)
+    return [statistics.median(record) for record in times]
+
+
+def measure_linear_ladders(model, rows: tuple[int, ...] = LADDER_ROWS, rounds: int = 5) -> tuple[Ladder, Ladder]:
     """Achieved FLOP/s of the model's own linear layers at each row count: every layer's
     qkv, o, gate_up and down in turn (so, as in a forward, no weight stays in cache from
     one call to the next), and the LM head."""
@@ -69,21 +70,21 @@ def measure_linear_ladders(model, rows: tuple[int, ...] = LADDER_ROWS) -> tuple[
     c = model.config
     body_flops_per_row = 2 * (c.num_params - c.vocab_size * c.hidden_size)
     head_flops_per_row = 2 * c.vocab_size * c.hidden_size
-    linear, head = [], []
+    modules = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    fns = []
+    for m in rows:
+        inputs = {f: torch.randn(m, f) for f in (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size)}
+
+        def body(inputs=inputs):
+            for lin in modules:
+                lin(inputs[lin.in_features])
+
+        fns += [body, lambda x=inputs[c.hidden_size]: F.linear(x, model.head_weight)]
     with torch.inference_mode():
-        for m in rows:
-            inputs = {f: torch.randn(m, f) for f in (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size)}
-            modules = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-
-            def body():
-                for lin in modules:
-                    lin(inputs[lin.in_features])
-
-            repeats = 3 if m >= 256 else 9
-            linear.append((m, body_flops_per_row * m / median_seconds(body, repeats)))
-            x = inputs[c.hidden_size]
-            head.append((m, head_flops_per_row * m / median_seconds(lambda: F.linear(x, model.head_weight), repeats)))
-    return tuple(linear), tuple(head)
+        t = interleaved_medians(fns, rounds)
+    linear = tuple((m, body_flops_per_row * m / s) for m, s in zip(rows, t[0::2]))
+    head = tuple((m, head_flops_per_row * m / s) for m, s in zip(rows, t[1::2]))
+    return linear, head
 
 
 def _attention_step(model, backend, kv_caches, rows: list[tuple[int, int]], block_size: int):
@@ -138,14 +139,7 @@ def measure_attention(model, kv_caches, block_size: int, rounds: int = 7) -> tup
         kv_tokens, pairs = cpu_attention_work(rows, PREFILL_MIN_QUERY_LEN)
         a.append([c.num_layers, kv_per_token * kv_tokens, per_pair * pairs])
         steps.append(_attention_step(model, backend, kv_caches, rows, block_size))
-    times: list[list[float]] = [[] for _ in steps]
-    for r in range(rounds + 1):
-        for step, record in zip(steps, times):
-            t0 = time.perf_counter()
-            step()
-            if r:  # the first round warms up
-                record.append(time.perf_counter() - t0)
-    t = [statistics.median(record) for record in times]
+    t = interleaved_medians(steps, rounds)
     call, inv_bandwidth, inv_rate = torch.linalg.solve(torch.tensor(a, dtype=torch.float64),
                                                        torch.tensor(t, dtype=torch.float64)).tolist()
     if min(call, inv_bandwidth, inv_rate) <= 0:
