@@ -189,16 +189,16 @@ class PrimitiveTimers:
 
 def measure_step_overhead(engine, head: Ladder) -> tuple[float, float, list[tuple[int, float]]]:
     """(seconds per step, seconds per step token) the engine spends outside its linear layers,
-    LM head and attention: a line through real decode steps at a few batch sizes and a
-    prefill step. The head is not a module (tied to the embedding), so its share is taken
-    from its calibrated ladder. Also returns the (tokens, residual) points."""
+    LM head and attention, from real decode steps at a few batch sizes and prefill steps.
+    The head is not a module (tied to the embedding), so its share is taken from its
+    calibrated ladder. Medians, not a least-squares line: one step that the shared machine
+    stalls must not set the overhead of every step. Also returns the (tokens, residual) points."""
     from ..sampling_params import SamplingParams
     from .hardware import rate_at
 
     c = engine.runner.model.config
     head_per_row = 2 * c.vocab_size * c.hidden_size
     timers = PrimitiveTimers(engine)
-    points: list[tuple[int, float]] = []
 
     def timed_step(sampled: int) -> float:
         timers.reset()
@@ -207,6 +207,8 @@ def measure_step_overhead(engine, head: Ladder) -> tuple[float, float, list[tupl
         wall = time.perf_counter() - t0
         return wall - timers.linear - timers.attention - head_per_row * sampled / rate_at(head, sampled)
 
+    decode_points: list[tuple[int, float]] = []
+    prefill_points: list[tuple[int, float]] = []
     try:
         for bs in OVERHEAD_DECODE_BATCHES:
             params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
@@ -214,20 +216,21 @@ def measure_step_overhead(engine, head: Ladder) -> tuple[float, float, list[tupl
                 engine.add_request([(i * 7919 + t * 13) % 40_000 + 100 for t in range(64)], params)
             engine.step()  # the prefill
             engine.step()
-            residuals = [timed_step(bs) for _ in range(8)]
-            points.append((bs, statistics.median(residuals)))
+            decode_points.append((bs, statistics.median(timed_step(bs) for _ in range(8))))
             while engine.has_unfinished_requests():
                 engine.step()
         for r in range(3):
             prompt = [(t * 31 + r * 977) % 40_000 + 100 for t in range(OVERHEAD_PREFILL_LEN)]
             engine.add_request(prompt, SamplingParams(max_tokens=1))
-            points.append((OVERHEAD_PREFILL_LEN, timed_step(1)))
+            prefill_points.append((OVERHEAD_PREFILL_LEN, timed_step(1)))
             while engine.has_unfinished_requests():
                 engine.step()
     finally:
         timers.close()
-    per_token, fixed = statistics.linear_regression([p[0] for p in points], [p[1] for p in points])
-    return max(fixed, 0.0), max(per_token, 0.0), points
+    fixed = statistics.median(r for _, r in decode_points)
+    decode_tokens = statistics.median(t for t, _ in decode_points)
+    per_token = (statistics.median(r for _, r in prefill_points) - fixed) / (OVERHEAD_PREFILL_LEN - decode_tokens)
+    return max(fixed, 0.0), max(per_token, 0.0), decode_points + prefill_points
 
 
 def calibrate() -> tuple[Calibration, object, list[tuple[int, float]]]:
