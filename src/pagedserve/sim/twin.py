@@ -214,8 +214,10 @@ def measure_step_overhead(engine, head: Ladder) -> tuple[float, float, list[tupl
             params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
             for i in range(bs):
                 engine.add_request([(i * 7919 + t * 13) % 40_000 + 100 for t in range(64)], params)
-            engine.step()  # the prefill
-            engine.step()
+            sched = engine.scheduler
+            # Prefill them all (the budget takes a few steps of them), so only decodes are timed.
+            while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
+                engine.step()
             decode_points.append((bs, statistics.median(timed_step(bs) for _ in range(8))))
             while engine.has_unfinished_requests():
                 engine.step()
