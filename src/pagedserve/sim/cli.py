@@ -114,9 +114,17 @@ def cmd_sim(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from .twin import calibrate
 
-    cal, path = calibrate()
-    print(f"matmul {cal.matmul_flops / 1e9:.1f} GFLOP/s fp32, memory bandwidth {cal.mem_bandwidth / 1e9:.1f} GB/s, "
-          f"step overhead {cal.step_overhead_s * 1e3:.2f} ms, {cal.num_threads} threads -> {path}")
+    cal, path, points = calibrate()
+    r = cal.rates
+    print(f"{cal.model}, fp32, {cal.num_threads} threads; peak matmul (2048^3) {cal.matmul_flops / 1e9:.1f} GFLOP/s")
+    print("rows              " + "".join(f"{m:>8}" for m, _ in r.linear))
+    print("linear GFLOP/s    " + "".join(f"{f / 1e9:>8.1f}" for _, f in r.linear))
+    print("LM head GFLOP/s   " + "".join(f"{f / 1e9:>8.1f}" for _, f in r.head))
+    print(f"attention: {r.attention_call_s * 1e6:.0f} us per layer call, K/V reads {r.kv_bandwidth / 1e9:.2f} GB/s, "
+          f"{r.attention_flops / 1e9:.1f} GFLOP/s")
+    print(f"step overhead outside those: {cal.step_overhead_s * 1e3:.2f} ms + {r.overhead_per_token_s * 1e6:.1f} us "
+          f"per token (from " + ", ".join(f"{t} tok: {s * 1e3:.1f} ms" for t, s in points) + ")")
+    print(f"-> {path}")
     return 0
 
 

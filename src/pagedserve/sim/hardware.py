@@ -14,7 +14,9 @@ of awkward shapes) somewhat less, so COMPUTE_EFFICIENCY = 0.6; a streaming read 
 ~90% of HBM peak and decode GEMV/attention kernels ~75-85%, so BANDWIDTH_EFFICIENCY = 0.8.
 GPU_STEP_OVERHEAD_S covers what a step costs besides the forward: scheduling, input
 preparation, sampling and launching a captured graph, a few ms in vLLM-like engines.
-cpu-local's rates are measured, i.e. already achieved, so its efficiencies are 1.
+
+cpu-local has no datasheet: `sim calibrate` measures the CPU engine's own primitives
+(MeasuredRates) and the cost model prices a step from those instead of a roofline.
 """
 from __future__ import annotations
 
@@ -31,6 +33,51 @@ ALLREDUCE_LATENCY_S = 10e-6
 MIB = 2**20
 
 
+Ladder = tuple[tuple[int, float], ...]  # (rows, achieved FLOP/s), rows ascending
+
+
+def rate_at(ladder: Ladder, rows: int) -> float:
+    """Achieved FLOP/s of a GEMM with `rows` rows, from rates measured at a ladder of row counts.
+
+    A GEMM's time is close to affine in its rows (a fixed read of the weights plus work per
+    row), so time, not rate, is interpolated linearly between the two neighbouring rungs;
+    outside the ladder the end rung's rate holds.
+    """
+    if rows <= ladder[0][0]:
+        return ladder[0][1]
+    for (m0, r0), (m1, r1) in zip(ladder, ladder[1:]):
+        if rows <= m1:
+            # Seconds per FLOP-per-row at each rung.
+            t0, t1 = m0 / r0, m1 / r1
+            return rows / (t0 + (t1 - t0) * (rows - m0) / (m1 - m0))
+    return ladder[-1][1]
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredRates:
+    """The CPU engine's primitives as `sim calibrate` measured them, at the twin model's shapes.
+
+    A CPU runs one op after another on the same cores and every rate below already includes
+    its own memory traffic, so the cost model adds these times rather than taking a roofline max.
+    """
+
+    linear: Ladder  # the decoder layers' linear layers (qkv, o, gate_up, down), by step tokens
+    head: Ladder  # the LM head, by sampled rows
+    attention_flops: float  # FLOP/s of prefill attention (QK^T and PV over each (query, key) pair)
+    kv_bandwidth: float  # bytes/s of K/V gathered from blocks (and attended, for short queries)
+    attention_call_s: float  # fixed cost of the attention backend per layer per step
+    overhead_per_token_s: float  # norms, RoPE, activations, residual adds per step token
+    # The backend's split: a row with fewer new tokens is a short query (decode-like), batched
+    # with the others and bound by reading its context; from this many on, a prefill chunk.
+    min_prefill_len: int
+
+    def __post_init__(self) -> None:
+        for name in ("linear", "head"):
+            ladder = getattr(self, name)
+            if not ladder or any(m1 <= m0 for (m0, _), (m1, _) in zip(ladder, ladder[1:])):
+                raise ValueError(f"{name} must list (rows, FLOP/s) with rows strictly ascending, got {ladder!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class Hardware:
     name: str
@@ -41,6 +88,7 @@ class Hardware:
     step_overhead_s: float
     compute_efficiency: float = COMPUTE_EFFICIENCY
     bandwidth_efficiency: float = BANDWIDTH_EFFICIENCY
+    measured: MeasuredRates | None = None  # cpu-local only: replaces the roofline
 
     def flops_for(self, dtype: str) -> float:
         """Achievable FLOP/s for matmuls whose inputs are `dtype`."""
@@ -79,17 +127,18 @@ def calibration_path() -> Path:
 class Calibration:
     """What `pagedserve sim calibrate` measured on this machine (fp32, as the CPU engine runs)."""
 
-    matmul_flops: float
-    mem_bandwidth: float
-    step_overhead_s: float
+    rates: MeasuredRates
+    matmul_flops: float  # a large square GEMM, the machine's peak: for reference, not priced
+    step_overhead_s: float  # scheduling, input preparation, sampling, detokenising
     memory_bytes: int
     num_threads: int
+    model: str  # whose shapes the rates were measured at
 
     def hardware(self) -> Hardware:
-        return Hardware(CPU_LOCAL, self.memory_bytes, self.mem_bandwidth,
+        return Hardware(CPU_LOCAL, self.memory_bytes, self.rates.kv_bandwidth,
                         {"bf16": self.matmul_flops, "fp8": self.matmul_flops, "fp32": self.matmul_flops},
-                        link_bandwidth=self.mem_bandwidth, step_overhead_s=self.step_overhead_s,
-                        compute_efficiency=1.0, bandwidth_efficiency=1.0)
+                        link_bandwidth=self.rates.kv_bandwidth, step_overhead_s=self.step_overhead_s,
+                        compute_efficiency=1.0, bandwidth_efficiency=1.0, measured=self.rates)
 
     def save(self, path: Path | None = None) -> Path:
         path = path or calibration_path()
@@ -102,7 +151,14 @@ class Calibration:
         path = path or calibration_path()
         if not path.exists():
             raise ValueError(f"hardware cpu-local needs a calibration; run `pagedserve sim calibrate` (writes {path})")
-        return cls(**json.loads(path.read_text()))
+        data = json.loads(path.read_text())
+        try:
+            rates = data.pop("rates")
+            rates = MeasuredRates(**{k: tuple(map(tuple, v)) if k in ("linear", "head") else v
+                                     for k, v in rates.items()})
+            return cls(rates=rates, **data)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{path} is from an older `pagedserve sim calibrate` ({e}); run it again") from e
 
 
 def get_hardware(name: str) -> Hardware:

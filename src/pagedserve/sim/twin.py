@@ -6,10 +6,22 @@ from __future__ import annotations
 import statistics
 import time
 
-from .hardware import Calibration
+from .hardware import Calibration, Ladder, MeasuredRates
 
 TWIN_MODEL = "smollm2-135m"
 TWIN_VOCAB = 49_152
+
+
+# Step token counts at which the linear layers' and the head's achieved rates are measured:
+# decode batches up to whole-prompt prefills.
+LADDER_ROWS = (1, 4, 16, 64, 256, 1024)
+# Attention steps that separate its three costs: a fixed cost per layer call (one short
+# decode), K/V reads (many long decodes), and FLOPs (one causal prefill).
+ATTENTION_PROBES = {"call": [(1, 15)], "kv": [(1, 255)] * 32, "flops": [(256, 0)]}
+# Real engine steps (decode batch sizes, prefill lengths) whose time outside the calibrated
+# primitives gives the step overhead and its per-token part.
+OVERHEAD_DECODE_BATCHES = (1, 8, 32)
+OVERHEAD_PREFILL_LEN = 256
 
 
 def best_seconds(fn, repeats: int) -> float:
@@ -29,63 +41,220 @@ def measure_matmul_flops(m: int = 512, k: int = 1024, n: int = 1024) -> float:
     return 2 * m * k * n / best_seconds(lambda: torch.mm(a, b), 10)
 
 
-def measure_bandwidth(num_floats: int = 32 * 2**20) -> float:
-    import torch
-
-    src, dst = torch.ones(num_floats), torch.empty(num_floats)
-    # A copy reads and writes every byte once.
-    return 2 * 4 * num_floats / best_seconds(lambda: dst.copy_(src), 5)
-
-
-def _engine(policy: str = "chunked"):
+def _engine(policy: str = "chunked", **options):
     from ..engine.llm import LLM
 
-    return LLM(policy=policy)
+    return LLM(policy=policy, **options)
 
 
-def measure_step_overhead(matmul_flops: float, bandwidth: float, batch_sizes: tuple[int, ...] = (1, 8),
-                          steps: int = 15) -> float:
-    """Real decode steps of SmolLM2 at a couple of batch sizes, minus what the roofline (with no
-    overhead) predicts for them: what the engine spends outside the forward's arithmetic."""
-    from ..sampling_params import SamplingParams
-    from .cost_model import CostModel
-    from .models import MODELS
-
-    engine = _engine().engine
-    zero = Calibration(matmul_flops, bandwidth, 0.0, 1, 1).hardware()
-    cost = CostModel(MODELS[TWIN_MODEL], zero, "fp32")
-    excess = []
-    for bs in batch_sizes:
-        params = SamplingParams(max_tokens=steps + 4, ignore_eos=True, temperature=0)
-        for i in range(bs):
-            engine.add_request([100 + i] * 32, params)
-        engine.step()  # the prefill step
-        engine.step()
-        for _ in range(steps):
+def interleaved_medians(fns: list, rounds: int) -> list[float]:
+    """Median seconds of each function, timed in turn round after round (after a warm-up
+    round), so that a change in the shared machine's load reaches all of them alike."""
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(rounds + 1):
+        for fn, record in zip(fns, times):
             t0 = time.perf_counter()
-            engine.step()
-            measured = time.perf_counter() - t0
-            predicted = cost.cost([(1, 34)] * bs, bs).seconds
-            excess.append(max(0.0, measured - predicted))
-        while engine.has_unfinished_requests():
-            engine.step()
-    return statistics.median(excess)
+            fn()
+            if r:
+                record.append(time.perf_counter() - t0)
+    return [statistics.median(record) for record in times]
 
 
-def calibrate() -> tuple[Calibration, object]:
+def measure_linear_ladders(model, rows: tuple[int, ...] = LADDER_ROWS, rounds: int = 5) -> tuple[Ladder, Ladder]:
+    """Achieved FLOP/s of the model's own linear layers at each row count: every layer's
+    qkv, o, gate_up and down in turn (so, as in a forward, no weight stays in cache from
+    one call to the next), and the LM head."""
+    import torch
+    import torch.nn.functional as F
+
+    c = model.config
+    body_flops_per_row = 2 * (c.num_params - c.vocab_size * c.hidden_size)
+    head_flops_per_row = 2 * c.vocab_size * c.hidden_size
+    modules = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    fns = []
+    for m in rows:
+        inputs = {f: torch.randn(m, f) for f in (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size)}
+
+        def body(inputs=inputs):
+            for lin in modules:
+                lin(inputs[lin.in_features])
+
+        fns += [body, lambda x=inputs[c.hidden_size]: F.linear(x, model.head_weight)]
+    with torch.inference_mode():
+        t = interleaved_medians(fns, rounds)
+    linear = tuple((m, body_flops_per_row * m / s) for m, s in zip(rows, t[0::2]))
+    head = tuple((m, head_flops_per_row * m / s) for m, s in zip(rows, t[1::2]))
+    return linear, head
+
+
+def _attention_step(model, backend, kv_caches, rows: list[tuple[int, int]], block_size: int):
+    """One step's attention through every layer with the engine's backend and KV caches:
+    rows of (new tokens, earlier tokens), each sequence on its own run of blocks."""
     import torch
 
+    from ..attention.metadata import AttentionMetadata
+
+    c = model.config
+    tables, first = [], 0
+    for n, ctx in rows:
+        blocks = -(-(n + ctx) // block_size)
+        tables.append(list(range(first, first + blocks)))
+        first += blocks
+    if first > kv_caches[0].shape[1]:
+        raise ValueError(f"attention probe needs {first} KV blocks; the engine has {kv_caches[0].shape[1]}")
+    tokens = sum(n for n, _ in rows)
+    q = torch.randn(tokens, c.num_heads, c.head_dim)
+    k, v = torch.randn(2, tokens, c.num_kv_heads, c.head_dim)
+    scale = c.head_dim**-0.5
+
+    def step():
+        # A new metadata object per step, so the backend plans it once, as in the engine.
+        meta = AttentionMetadata.for_sequences([n for n, _ in rows], [n + ctx for n, ctx in rows], tables,
+                                               block_size)
+        with torch.inference_mode():
+            for kv in kv_caches:
+                backend.forward(q, k, v, kv, meta, scale)
+
+    return step
+
+
+def measure_attention(model, kv_caches, block_size: int, rounds: int = 7) -> tuple[float, float, float]:
+    """(fixed seconds per layer call, K/V bytes/s, FLOP/s) of the CPU attention backend.
+
+    Each probe step's time is modelled as the cost model prices it (cpu_attention_work),
+    time = layers * call + KV bytes / bandwidth + prefill FLOPs / rate, and the three
+    probes, each dominated by one term, are solved for the three unknowns. The probes take turns,
+    round after round, so a change in the machine's load reaches all three alike."""
+    import torch
+
+    from ..attention.cpu_backend import PREFILL_MIN_QUERY_LEN
+    from ..attention.selector import get_backend
+    from .cost_model import attention_flops_per_pair, cpu_attention_work
+
+    c = model.config
+    backend = get_backend()
+    kv_per_token, per_pair = c.kv_bytes_per_token(4), attention_flops_per_pair(c)
+    a, steps = [], []
+    for rows in ATTENTION_PROBES.values():
+        kv_tokens, pairs = cpu_attention_work(rows, PREFILL_MIN_QUERY_LEN)
+        a.append([c.num_layers, kv_per_token * kv_tokens, per_pair * pairs])
+        steps.append(_attention_step(model, backend, kv_caches, rows, block_size))
+    t = interleaved_medians(steps, rounds)
+    call, inv_bandwidth, inv_rate = torch.linalg.solve(torch.tensor(a, dtype=torch.float64),
+                                                       torch.tensor(t, dtype=torch.float64)).tolist()
+    if min(call, inv_bandwidth, inv_rate) <= 0:
+        raise ValueError(f"attention probes took {[f'{x * 1e3:.1f} ms' for x in t]}, which no positive call cost, "
+                         "bandwidth and FLOP rate explain: the machine was too noisy; run `sim calibrate` again")
+    return call, 1 / inv_bandwidth, 1 / inv_rate
+
+
+class PrimitiveTimers:
+    """Time spent in an engine's linear layers and attention backend while it steps: what
+    is left of a step is the overhead that no calibrated primitive covers."""
+
+    def __init__(self, engine):
+        import torch
+
+        self.linear = self.attention = 0.0
+        self._handles = []
+        self._backend = engine.runner.backend
+        for module in engine.runner.model.modules():
+            if isinstance(module, torch.nn.Linear):
+                self._handles.append(module.register_forward_pre_hook(self._start))
+                self._handles.append(module.register_forward_hook(self._stop))
+        inner = self._backend.forward
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = inner(*args, **kwargs)
+            self.attention += time.perf_counter() - t0
+            return out
+
+        self._backend.forward = timed
+
+    def _start(self, module, args):
+        self._t0 = time.perf_counter()
+
+    def _stop(self, module, args, output):
+        self.linear += time.perf_counter() - self._t0
+
+    def reset(self) -> None:
+        self.linear = self.attention = 0.0
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        del self._backend.forward  # back to the class's method
+
+
+def measure_step_overhead(engine, head: Ladder) -> tuple[float, float, list[tuple[int, float]]]:
+    """(seconds per step, seconds per step token) the engine spends outside its linear layers,
+    LM head and attention, from real decode steps at a few batch sizes and prefill steps.
+    The head is not a module (tied to the embedding), so its share is taken from its
+    calibrated ladder. Medians, not a least-squares line: one step that the shared machine
+    stalls must not set the overhead of every step. Also returns the (tokens, residual) points."""
+    from ..sampling_params import SamplingParams
+    from .hardware import rate_at
+
+    c = engine.runner.model.config
+    head_per_row = 2 * c.vocab_size * c.hidden_size
+    timers = PrimitiveTimers(engine)
+
+    def timed_step(sampled: int) -> float:
+        timers.reset()
+        t0 = time.perf_counter()
+        engine.step()
+        wall = time.perf_counter() - t0
+        return wall - timers.linear - timers.attention - head_per_row * sampled / rate_at(head, sampled)
+
+    decode_points: list[tuple[int, float]] = []
+    prefill_points: list[tuple[int, float]] = []
+    try:
+        for bs in OVERHEAD_DECODE_BATCHES:
+            params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
+            for i in range(bs):
+                engine.add_request([(i * 7919 + t * 13) % 40_000 + 100 for t in range(64)], params)
+            sched = engine.scheduler
+            # Prefill them all (the budget takes a few steps of them), so only decodes are timed.
+            while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
+                engine.step()
+            decode_points.append((bs, statistics.median(timed_step(bs) for _ in range(8))))
+            while engine.has_unfinished_requests():
+                engine.step()
+        for r in range(3):
+            prompt = [(t * 31 + r * 977) % 40_000 + 100 for t in range(OVERHEAD_PREFILL_LEN)]
+            engine.add_request(prompt, SamplingParams(max_tokens=1))
+            prefill_points.append((OVERHEAD_PREFILL_LEN, timed_step(1)))
+            while engine.has_unfinished_requests():
+                engine.step()
+    finally:
+        timers.close()
+    fixed = statistics.median(r for _, r in decode_points)
+    decode_tokens = statistics.median(t for t, _ in decode_points)
+    per_token = (statistics.median(r for _, r in prefill_points) - fixed) / (OVERHEAD_PREFILL_LEN - decode_tokens)
+    return max(fixed, 0.0), max(per_token, 0.0), decode_points + prefill_points
+
+
+def calibrate() -> tuple[Calibration, object, list[tuple[int, float]]]:
+    """Measure the CPU engine's primitives at the twin model's shapes and save them."""
+    import torch
+
+    from ..attention.cpu_backend import PREFILL_MIN_QUERY_LEN
     from ..config import default_num_threads
 
     threads = default_num_threads()
     torch.set_num_threads(threads)
-    flops = measure_matmul_flops()
-    bandwidth = measure_bandwidth()
-    overhead = measure_step_overhead(flops, bandwidth)
+    llm = _engine(max_num_batched_tokens=OVERHEAD_PREFILL_LEN, enable_prefix_caching=False)
+    engine = llm.engine
+    model = engine.runner.model
+    linear, head = measure_linear_ladders(model)
+    call, kv_bandwidth, attn_flops = measure_attention(model, engine.runner.kv_caches, engine.scheduler.block_size)
+    overhead, per_token, points = measure_step_overhead(engine, head)
     with open("/proc/meminfo") as f:
         total = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
-    cal = Calibration(flops, bandwidth, overhead, total, threads)
-    return cal, cal.save()
+    rates = MeasuredRates(linear, head, attn_flops, kv_bandwidth, call, per_token, PREFILL_MIN_QUERY_LEN)
+    cal = Calibration(rates, measure_matmul_flops(2048, 2048, 2048), overhead, total, threads, TWIN_MODEL)
+    return cal, cal.save(), points
 
 
 def twin(num_prompts: int = 24, policies: list[str] | None = None, seed: int = 0) -> list[dict]:
