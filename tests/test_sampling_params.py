@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from pagedserve.sampling_params import SamplingParams, child_seed
+from pagedserve.sampling_params import SamplingParams, child_seed, token_seed
 
 # (keyword arguments, the parameter the error must name)
 INVALID = [
@@ -177,3 +177,9 @@ def test_child_seed():
     assert 0 <= child_seed(-5, 3) < 2**64
     with pytest.raises(ValueError, match="index"):
         child_seed(1, -1)
+
+
+def test_token_seed_gives_every_position_its_own_stream():
+    seeds = {token_seed(s, t) for s in range(32) for t in range(64)}
+    assert len(seeds) == 32 * 64 and all(0 <= x < 2**64 for x in seeds)
+    assert token_seed(7, 3) == token_seed(7, 3) != token_seed(7, 4)

@@ -135,7 +135,8 @@ def test_greedy_output_is_unchanged_by_speculation(loaded, spec, reference_promp
     ids=["ngram-small-chunks", "self-draft-preemption"],
 )
 def test_busy_batch_is_the_same_with_and_without_speculation(loaded, spec, options):
-    """Greedy and seeded rows, prefix-cache hits, n > 1; under preemption for self-draft."""
+    """Greedy and seeded rows, prefix-cache hits, n > 1; under preemption for self-draft.
+    Seeded sampling gives the same tokens with speculation as without."""
     plain = make_llm(loaded, **options)
     spec_llm = make_llm(loaded, speculative_config=spec, **options)
     prompts, params = busy_batch(plain.tokenizer)
@@ -144,13 +145,10 @@ def test_busy_batch_is_the_same_with_and_without_speculation(loaded, spec, optio
     want = plain.generate(prompts, params, use_tqdm=False)
     got = spec_llm.generate(prompts, params, use_tqdm=False)
     again = spec_llm.generate(prompts, params, use_tqdm=False)  # now with prefix-cache hits
-    for i, p in enumerate(params):
-        if p.temperature == 0:
-            for a, b, c in zip(want[i].outputs, got[i].outputs, again[i].outputs):
-                assert a.token_ids == b.token_ids == c.token_ids, f"request {i}"
-        else:  # seeded: reproducible with speculation, and the same length
-            assert [o.token_ids for o in got[i].outputs] == [o.token_ids for o in again[i].outputs]
-            assert len(got[i].outputs[0].token_ids) == len(want[i].outputs[0].token_ids)
+    # Greedy and seeded rows alike: a seeded token depends on its seed and position only.
+    for i in range(len(params)):
+        for a, b, c in zip(want[i].outputs, got[i].outputs, again[i].outputs):
+            assert a.token_ids == b.token_ids == c.token_ids, f"request {i}"
     stats = spec_llm.stats()
     assert stats["spec_num_drafts"] > 0 and stats["prefix_cache_hits"] > 0
     if "kv_cache_memory" in options:

@@ -97,6 +97,20 @@ def child_seed(seed: int, index: int) -> int:
     return (_require_int("seed", seed) + index * _CHILD_SEED_STRIDE) % _UINT64
 
 
+def token_seed(seed: int, position: int) -> int:
+    """The generator seed for the output token at `position` of a seeded sample.
+
+    Drawing each token from its own seed makes it a function of (seed, position,
+    logits) only: not of how many tokens earlier steps drew, which varies with
+    batching and with how many speculative positions a step verified. splitmix64
+    keeps neighbouring positions' streams unrelated.
+    """
+    z = (_require_int("seed", seed) + (position + 1) * 0x9E3779B97F4A7C15) % _UINT64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % _UINT64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % _UINT64
+    return z ^ (z >> 31)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Sampling settings of one request; field meanings follow vLLM and the OpenAI API.

@@ -27,7 +27,6 @@ from ..spec_decode.ngram import NgramProposer
 from ..structured_output.backend import Matcher
 from ..structured_output.manager import StructuredOutputManager
 from ..worker.model_runner import ModelRunner, RunnerOutput, allocate_kv_caches
-from ..worker.sampler import make_generator
 from .detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -38,19 +37,20 @@ class SamplingState:
     """Stored in core's opaque `Request.sampling`: what the runner needs to sample a row."""
 
     params: SamplingParams
-    generator: torch.Generator | None
-    # At a parallel-sampling fork, sample i is drawn with fork_generators[i].
-    fork_generators: list[torch.Generator | None] = field(default_factory=list)
+    # A seeded random sample draws output token t from token_seed(seed, t); None otherwise.
+    seed: int | None
+    # At a parallel-sampling fork, sample i has seed fork_seeds[i].
+    fork_seeds: list[int | None] = field(default_factory=list)
     # The grammar matcher of a structured-output request (None otherwise); at a fork,
     # sample i advances fork_matchers[i].
     matcher: Matcher | None = None
     fork_matchers: list[Matcher | None] = field(default_factory=list)
 
 
-def _generators(params: SamplingParams) -> list[torch.Generator | None]:
+def _seeds(params: SamplingParams) -> list[int | None]:
     if params.seed is None or params.is_greedy:
         return [None] * params.n
-    return [make_generator(params.seed if i == 0 else child_seed(params.seed, i)) for i in range(params.n)]
+    return [child_seed(params.seed, i) for i in range(params.n)]
 
 
 @dataclass
@@ -217,7 +217,7 @@ class LLMEngine:
                 raise ValueError(
                     f"prompt ({len(prompt_ids)} tokens) leaves no room to generate within max_model_len ({self.max_model_len})"
                 )
-        generators = _generators(params)
+        seeds = _seeds(params)
         # A parallel-sampling parent forks at its first sample, before its matcher has
         # moved, so n fresh matchers are exactly the copies the fork would make.
         matchers: list[Matcher | None] = (
@@ -236,7 +236,7 @@ class LLMEngine:
             stop_token_ids=frozenset(params.stop_token_ids) | (self.tokenizer.stop_token_ids if not params.ignore_eos else frozenset()),
             ignore_eos=params.ignore_eos,
             cache_salt=cache_salt,
-            sampling=SamplingState(params, generators[0], generators, matchers[0], matchers),
+            sampling=SamplingState(params, seeds[0], seeds, matchers[0], matchers),
         )
         self.scheduler.add_request(request)
         self._tracked[rid] = _Tracked(rid, prompt_text, prompt_ids, params, RequestMetrics(request.arrival_time))
@@ -357,9 +357,9 @@ class LLMEngine:
     def _new_sequence(self, tracked: _Tracked, req: Request) -> _Sequence:
         params = tracked.params
         if req.index > 0:
-            # A freshly forked child: from now on it samples with its own generator.
+            # A freshly forked child: from now on it samples with its own seed.
             parent_state: SamplingState = req.sampling
-            req.sampling = SamplingState(params, parent_state.fork_generators[req.index],
+            req.sampling = SamplingState(params, parent_state.fork_seeds[req.index],
                                          matcher=parent_state.fork_matchers[req.index])
         seq = _Sequence(
             CompletionOutput(index=req.index, logprobs=[] if params.logprobs is not None else None),

@@ -11,7 +11,8 @@ import torch
 from ..core.request import Request
 from ..spec_decode.verify import num_accepted
 from ..structured_output.logits import advance, constrain
-from .sampler import LogprobsTensors, SamplingRow, build_sampling_metadata, sample
+from ..sampling_params import token_seed
+from .sampler import LogprobsTensors, SamplingRow, build_sampling_metadata, make_generator, sample
 
 
 @dataclass
@@ -23,6 +24,10 @@ class RunnerOutput:
     # such row the request it was sampled for and the sample index (i at a fork).
     logprobs: LogprobsTensors | None
     logprob_samples: list[tuple[Request, int]]
+
+
+def _generator(seed: int | None, position: int) -> torch.Generator | None:
+    return None if seed is None else make_generator(token_seed(seed, position))
 
 
 def sample_rows(
@@ -45,7 +50,8 @@ def sample_rows(
             # Position j is sampled as if drafts 0 .. j - 1 were already output.
             history = list(req.output_token_ids)
             for j in range(s.num_samples):
-                rows.append(SamplingRow(state.params, req.prompt_token_ids, history[:], state.generator))
+                rows.append(SamplingRow(state.params, req.prompt_token_ids, history[:],
+                                        _generator(state.seed, len(history))))
                 samples.append((req, req.index))
                 matchers.append(state.matcher)
                 drafts_before.append(s.draft_token_ids[:j])
@@ -55,12 +61,13 @@ def sample_rows(
             # A parallel-sampling fork: sample i is drawn with child i's own generator.
             for i in range(s.num_samples):
                 rows.append(SamplingRow(state.params, req.prompt_token_ids, req.output_token_ids,
-                                        state.fork_generators[i]))
+                                        _generator(state.fork_seeds[i], len(req.output_token_ids))))
                 samples.append((req, i))
                 matchers.append(state.fork_matchers[i])
                 drafts_before.append(())
         else:
-            rows.append(SamplingRow(state.params, req.prompt_token_ids, req.output_token_ids, state.generator))
+            rows.append(SamplingRow(state.params, req.prompt_token_ids, req.output_token_ids,
+                                    _generator(state.seed, len(req.output_token_ids))))
             samples.append((req, req.index))
             matchers.append(state.matcher)
             drafts_before.append(())

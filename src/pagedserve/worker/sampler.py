@@ -16,9 +16,11 @@ from its own generator, always exactly `vocab_size` uniforms per step indexed by
 id, so its tokens depend on nothing but its own logits and seed: not on the batch, its
 position in it, or how ties among candidates happen to be ordered.
 
-n > 1: the runner repeats a request's logits row once per child at the fork point and
-gives child i the generator `make_generator(child_seed(seed, i))` (seeded requests
-only); each repeated row is then an independent draw.
+n > 1: the runner repeats a request's logits row once per child at the fork point;
+each repeated row is then an independent draw. The runner gives a seeded row the
+generator `make_generator(token_seed(child_seed(seed, i), t))` for output token t of
+sample i, so a token depends on its seed and position only, never on how many
+draws came before (batching, preemption and speculative decoding change those).
 """
 from __future__ import annotations
 
