@@ -48,7 +48,8 @@ def add_bench_parser(sub) -> None:
 
     c = bsub.add_parser("compare", help="run one workload through each scheduler policy on the real model")
     c.add_argument("--policies", default=",".join(("naive", "static", "continuous", "chunked")))
-    c.add_argument("--baselines", default="", help="comma-separated: hf (transformers generate(), one at a time)")
+    c.add_argument("--baselines", default="", help="comma-separated: hf (transformers generate(), one at a time), "
+                   "hf-static (transformers, left-padded batches of up to --max-concurrency)")
     c.add_argument("--max-concurrency", type=int, default=None)
     c.add_argument("--request-rate", type=float, default=math.inf)
     c.add_argument("--prefix-caching", choices=("on", "off"), default="on")
@@ -114,9 +115,14 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
                                          request_rate=args.request_rate, n=args.n, seed=args.seed, **options)
             print(f"{p}: {runs[p].duration:.1f} s", flush=True)
             gc.collect()  # the finished engine's KV pool, before the next one allocates its own
-    if "hf" in baselines:
-        runs["hf"] = compare.run_hf(default_model_path(), requests, args.request_rate, args.seed)
-        print(f"hf: {runs['hf'].duration:.1f} s", flush=True)
+    if baselines:
+        hf_model = compare.load_hf_model(default_model_path())
+        for b in baselines:
+            if b == "hf":
+                runs[b] = compare.run_hf(hf_model, requests, args.request_rate, args.seed)
+            else:
+                runs[b] = compare.run_hf_static(hf_model, requests, args.max_concurrency, args.request_rate, args.seed)
+            print(f"{b}: {runs[b].duration:.1f} s", flush=True)
     summaries = {name: r.summary() for name, r in runs.items()}
     ratio = compare.ratios(summaries, "naive") if "naive" in summaries else None
     print(f"workload: {args.dataset_name}, {len(requests)} requests, prompts {min(r.prompt_len for r in requests)}-"
@@ -126,7 +132,7 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
     print(format_table(summaries, ratio))
     if "chunked" in summaries:
         pairs = [f"chunked/{b} {compare.ratios(summaries, b)['chunked']:.2f}x"
-                 for b in ("naive", "static", "hf") if b in summaries]
+                 for b in ("naive", "static", "hf", "hf-static") if b in summaries]
         print("output throughput:", ", ".join(pairs))
     setup = {"dataset": args.dataset_name, "num_prompts": len(requests), "n": args.n,
              "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
