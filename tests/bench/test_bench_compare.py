@@ -22,18 +22,19 @@ def test_compare_cli_writes_results_per_policy(tmp_path, capsys):
     out = tmp_path / "cmp.json"
     rc = main(["bench", "compare", "--policies", "naive,chunked", "--dataset-name", "random", "--num-prompts", "6",
                "--input-len", "16", "--output-len", "4", "--range-ratio", "0.5", "--kv-cache-memory", "16MiB",
-               "--out", str(out), "--plot", str(tmp_path / "plots")])
+               "--serial-prompts", "3", "--out", str(out), "--plot", str(tmp_path / "plots")])
     assert rc == 0
     table = capsys.readouterr().out
     assert "x naive" in table and "chunked" in table
     data = json.loads(out.read_text())
-    expected_tokens = sum(r.output_len for r in random_dataset(6, 16, 4, 0.5))
-    for policy in ("naive", "chunked"):
+    requests = random_dataset(6, 16, 4, 0.5)
+    # naive serves one at a time, so --serial-prompts 3 gives it the first 3 requests only.
+    for policy, num in (("naive", 3), ("chunked", 6)):
         s = data["results"][policy]
         for key in ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "p99_itl_ms", "kv_waste"):
             assert s[key] == s[key], f"{policy} {key} is NaN"
-        assert s["total_output_tokens"] == expected_tokens
-        assert s["completed"] == 6
+        assert s["total_output_tokens"] == sum(r.output_len for r in requests[:num])
+        assert s["completed"] == num
     assert data["ratio_to_naive"]["naive"] == 1.0
     assert sorted(p.rsplit("/", 1)[-1] for p in data["setup"]["plots"]) == ["itl.png", "timeline.png", "ttft.png"]
 
