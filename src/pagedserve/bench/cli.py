@@ -48,8 +48,12 @@ def add_bench_parser(sub) -> None:
 
     c = bsub.add_parser("compare", help="run one workload through each scheduler policy on the real model")
     c.add_argument("--policies", default=",".join(("naive", "static", "continuous", "chunked")))
-    c.add_argument("--baselines", default="", help="comma-separated: hf (transformers generate(), one at a time)")
+    c.add_argument("--baselines", default="", help="comma-separated: hf (transformers generate(), one at a time), "
+                   "hf-static (transformers, left-padded batches of up to --max-concurrency)")
     c.add_argument("--max-concurrency", type=int, default=None)
+    c.add_argument("--serial-prompts", type=int, default=None, metavar="N",
+                   help="naive and hf (one request at a time) run only the first N requests: same throughput "
+                        "and ITL, far less time; their TTFT then counts a shorter queue")
     c.add_argument("--request-rate", type=float, default=math.inf)
     c.add_argument("--prefix-caching", choices=("on", "off"), default="on")
     c.add_argument("--n", type=int, default=1, help="samples per request (parallel sampling fan-out)")
@@ -104,39 +108,61 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
         raise ValueError("policies and baselines are both empty")
     if args.n < 1:
         raise ValueError(f"n must be >= 1, got {args.n}")
+    if args.serial_prompts is not None and args.serial_prompts < 1:
+        raise ValueError(f"serial_prompts must be >= 1, got {args.serial_prompts}")
     requests = dataset_from_args(args)
+    # naive and hf serve one request at a time: their throughput and ITL do not depend on how
+    # many requests wait behind, so on a slow machine they may run only the first ones.
+    serial = requests[:args.serial_prompts]
     options = {"enable_prefix_caching": args.prefix_caching == "on", "max_num_seqs": args.max_num_seqs}
     if args.kv_cache_memory:
         options["kv_cache_memory"] = parse_memory(args.kv_cache_memory)
+    setup = {"dataset": args.dataset_name, "num_prompts": len(requests), "n": args.n,
+             "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
+             "prefix_caching": args.prefix_caching, "serial_prompts": len(serial)}
     runs = {}
+
+    def write_json(summaries: dict) -> None:
+        ratio = compare.ratios(summaries, "naive") if "naive" in summaries else None
+        with open(args.out, "w") as f:
+            json.dump({"setup": setup, "results": summaries, "ratio_to_naive": ratio}, f, indent=1)
+
+    def finished(name: str) -> None:
+        print(f"{name}: {runs[name].duration:.1f} s", flush=True)
+        if args.out:  # after every run, so a long study keeps what it has finished
+            write_json({n: r.summary() for n, r in runs.items()})
+
     if policies:
         loaded = load_model()
         for p in policies:
-            runs[p] = compare.run_engine(loaded, p, requests, max_concurrency=args.max_concurrency,
-                                         request_rate=args.request_rate, n=args.n, seed=args.seed, **options)
-            print(f"{p}: {runs[p].duration:.1f} s", flush=True)
+            runs[p] = compare.run_engine(loaded, p, serial if p == "naive" else requests,
+                                         max_concurrency=args.max_concurrency, request_rate=args.request_rate,
+                                         n=args.n, seed=args.seed, **options)
+            finished(p)
             gc.collect()  # the finished engine's KV pool, before the next one allocates its own
-    if "hf" in baselines:
-        runs["hf"] = compare.run_hf(default_model_path(), requests, args.request_rate, args.seed)
-        print(f"hf: {runs['hf'].duration:.1f} s", flush=True)
+    if baselines:
+        hf_model = compare.load_hf_model(default_model_path())
+        for b in baselines:
+            if b == "hf":
+                runs[b] = compare.run_hf(hf_model, serial, args.request_rate, args.seed)
+            else:
+                runs[b] = compare.run_hf_static(hf_model, requests, args.max_concurrency, args.request_rate, args.seed)
+            finished(b)
     summaries = {name: r.summary() for name, r in runs.items()}
     ratio = compare.ratios(summaries, "naive") if "naive" in summaries else None
     print(f"workload: {args.dataset_name}, {len(requests)} requests, prompts {min(r.prompt_len for r in requests)}-"
           f"{max(r.prompt_len for r in requests)} tokens, outputs {min(r.output_len for r in requests)}-"
           f"{max(r.output_len for r in requests)}, n={args.n}, concurrency {args.max_concurrency or 'unlimited'}, "
-          f"rate {args.request_rate}/s, prefix caching {args.prefix_caching}")
+          f"rate {args.request_rate}/s, prefix caching {args.prefix_caching}"
+          + (f"; naive and hf: the first {len(serial)} requests" if len(serial) < len(requests) else ""))
     print(format_table(summaries, ratio))
     if "chunked" in summaries:
         pairs = [f"chunked/{b} {compare.ratios(summaries, b)['chunked']:.2f}x"
-                 for b in ("naive", "static", "hf") if b in summaries]
+                 for b in ("naive", "static", "hf", "hf-static") if b in summaries]
         print("output throughput:", ", ".join(pairs))
-    setup = {"dataset": args.dataset_name, "num_prompts": len(requests), "n": args.n,
-             "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
-             "prefix_caching": args.prefix_caching}
     if args.plot:
         setup["plots"] = [str(p) for p in write_plots(runs, args.plot)]
         print("plots:", ", ".join(setup["plots"]))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"setup": setup, "results": summaries, "ratio_to_naive": ratio}, f, indent=1)
+        write_json(summaries)
     return 0

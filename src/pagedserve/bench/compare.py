@@ -5,8 +5,9 @@ only in scheduling. Requests arrive at time 0 (or at Poisson times for a finite
 rate); at most max_concurrency are inside the engine at once and a request's clock
 (its send time) starts when it enters, as a client with that many connections would
 see it. Each step's scheduler stats are sampled for the KV-waste average and the
-timeline plots. The optional Hugging Face baseline runs transformers' generate()
-one request at a time on the same GGUF, its clocks starting at arrival like naive's.
+timeline plots. The optional Hugging Face baselines run transformers' generate() on
+the same GGUF: one request at a time (hf), and static batches of left-padded prompts
+in arrival order (hf-static); a streamer timestamps every row's tokens.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from ..sim.metrics import RequestRecord, summarize
 from .datasets import BenchRequest
 from .serve import send_offsets
 
-BASELINES = ("hf",)
+BASELINES = ("hf", "hf-static")
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,41 +108,94 @@ def run_engine(loaded, policy: str, requests: Sequence[BenchRequest], *, max_con
     return RunResult(policy, records, duration, steps, engine.stats()["num_preemptions"])
 
 
-def run_hf(model_path, requests: Sequence[BenchRequest], request_rate: float = math.inf, seed: int = 0) -> RunResult:
-    """transformers generate(), greedy, one request at a time, exactly output_len tokens each."""
+def load_hf_model(model_path):
+    """The same GGUF through transformers, float32, for the hf baselines."""
     import torch
     from transformers import AutoModelForCausalLM
-    from transformers.generation.streamers import BaseStreamer
 
     model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, dtype=torch.float32)
     model.eval()
-    offsets = send_offsets(len(requests), request_rate, 1.0, seed)
+    return model
 
-    class Clock(BaseStreamer):
-        """generate() calls put() with the prompt first, then with each new token."""
 
-        def __init__(self, times: list[float], t0: float):
-            self.times, self.t0, self.prompt_seen = times, t0, False
+class _RowClock:
+    """A generate() streamer (generate only calls put and end): put() gets the prompt first, then
+    one token per row per step; each row's timestamps stop at its own output_len, while the row
+    itself keeps decoding until the batch's longest request is done."""
 
-        def put(self, value) -> None:
-            if self.prompt_seen:
-                self.times.append(time.monotonic() - self.t0)
+    def __init__(self, records: Sequence[RequestRecord], t0: float):
+        self.records, self.t0, self.prompt_seen = records, t0, False
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:
             self.prompt_seen = True
+            return
+        now = time.monotonic() - self.t0
+        for rec in self.records:
+            if len(rec.token_times) < rec.output_len:
+                rec.token_times.append(now)
 
-        def end(self) -> None:
-            pass
+    def end(self) -> None:
+        pass
 
+
+def _generate_batch(model, batch: Sequence[BenchRequest], records: Sequence[RequestRecord], t0: float) -> None:
+    """One left-padded greedy generate() over the batch, exactly max(output_len) steps (EOS suppressed)."""
+    import torch
+
+    width = max(r.prompt_len for r in batch)
+    ids = torch.zeros((len(batch), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, req in enumerate(batch):
+        ids[row, width - req.prompt_len:] = torch.tensor(req.prompt_token_ids)
+        mask[row, width - req.prompt_len:] = 1
+    steps = max(r.output_len for r in batch)
+    model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=steps, min_new_tokens=steps,
+                   streamer=_RowClock(records, t0), pad_token_id=0)
+
+
+def _run_hf_batches(model, name: str, requests: Sequence[BenchRequest], batch_cap: int, clock_at_entry: bool,
+                    request_rate: float, seed: int) -> RunResult:
+    """Batches of up to batch_cap arrived requests in arrival order, each run to completion before
+    the next is formed. clock_at_entry: a request's clock starts when its batch starts (a client
+    with batch_cap connections), else at its arrival."""
+    import torch
+
+    offsets = send_offsets(len(requests), request_rate, 1.0, seed)
+    order = sorted(range(len(requests)), key=offsets.__getitem__)
     records = [RequestRecord(offsets[i], r.prompt_len, r.output_len) for i, r in enumerate(requests)]
+    nxt = 0
     t0 = time.monotonic()
     with torch.inference_mode():
-        for i in sorted(range(len(requests)), key=offsets.__getitem__):
-            time.sleep(max(0.0, offsets[i] - (time.monotonic() - t0)))
-            req = requests[i]
-            ids = torch.tensor([req.prompt_token_ids])
-            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=req.output_len,
-                           min_new_tokens=req.output_len, streamer=Clock(records[i].token_times, t0),
-                           pad_token_id=0)
-    return RunResult("hf", records, time.monotonic() - t0)
+        while nxt < len(order):
+            time.sleep(max(0.0, offsets[order[nxt]] - (time.monotonic() - t0)))
+            now = time.monotonic() - t0
+            batch = []
+            while nxt < len(order) and len(batch) < batch_cap and offsets[order[nxt]] <= now:
+                batch.append(order[nxt])
+                nxt += 1
+            if clock_at_entry:
+                for i in batch:
+                    records[i].send_time = now
+            _generate_batch(model, [requests[i] for i in batch], [records[i] for i in batch], t0)
+    return RunResult(name, records, time.monotonic() - t0)
+
+
+def run_hf(model, requests: Sequence[BenchRequest], request_rate: float = math.inf, seed: int = 0) -> RunResult:
+    """transformers generate(), greedy, one request at a time, exactly output_len tokens each;
+    clocks start at arrival, like naive's."""
+    return _run_hf_batches(model, "hf", requests, 1, False, request_rate, seed)
+
+
+def run_hf_static(model, requests: Sequence[BenchRequest], max_concurrency: int | None = None,
+                  request_rate: float = math.inf, seed: int = 0) -> RunResult:
+    """transformers static batching: left-padded generate() over batches of up to max_concurrency
+    requests (default: all that have arrived), greedy; a row that has its output_len tokens keeps
+    computing until its batch ends, like the `static` policy; clocks as run_engine's."""
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency!r}")
+    return _run_hf_batches(model, "hf-static", requests, max_concurrency or len(requests),
+                           max_concurrency is not None, request_rate, seed)
 
 
 def ratios(summaries: dict[str, dict], reference: str) -> dict[str, float]:
