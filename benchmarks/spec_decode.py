@@ -49,7 +49,7 @@ def run(loaded, prompts: list[str], concurrency: int, max_tokens: int, spec: dic
     pending, produced = list(ids), 0
     start = time.perf_counter()
     while pending or engine.has_unfinished_requests():
-        while pending and engine.scheduler.stats().num_running + engine.scheduler.stats().num_waiting < concurrency:
+        while pending and len(engine.scheduler.running) + len(engine.scheduler.waiting) < concurrency:
             engine.add_request(pending.pop(0), params)
         for out in engine.step():
             produced += len(out.outputs[0].delta_token_ids)

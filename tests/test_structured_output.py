@@ -8,14 +8,13 @@ import json
 import re
 import time
 
+import jsonschema
 import pytest
 
 from pagedserve import LLM, SamplingParams, StructuredOutputs
 from pagedserve.model.loader import load_model
 from structured_schemas import SCHEMAS
 
-jsonschema = pytest.importorskip("jsonschema")
-pytest.importorskip("llguidance")
 
 KV_BYTES_PER_BLOCK = 30 * 2 * 3 * 64 * 4 * 16  # SmolLM2-135M, fp32, block 16
 MAX_TOKENS = 64

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import re
 
+import jsonschema
 import pytest
 
 from .test_server_validation import CHAT, COMPLETIONS, FUZZ_VALUES, assert_openai_error
 
-jsonschema = pytest.importorskip("jsonschema")
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0,

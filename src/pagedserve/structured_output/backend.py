@@ -27,10 +27,6 @@ class Matcher(ABC):
         """Advance over sampled tokens; False (and `error` set) if one is not allowed."""
 
     @abstractmethod
-    def rollback(self, num_tokens: int) -> None:
-        """Undo the last `num_tokens` accepted tokens (speculative decoding rejects drafts)."""
-
-    @abstractmethod
     def fork(self) -> Matcher:
         """An independent copy in the same state."""
 

@@ -36,10 +36,6 @@ class LLGuidanceMatcher(Matcher):
     def accept(self, token_ids: Sequence[int]) -> bool:
         return self._m.consume_tokens(list(token_ids))
 
-    def rollback(self, num_tokens: int) -> None:
-        if not self._m.rollback(num_tokens):
-            raise ValueError(f"num_tokens: cannot roll back {num_tokens} tokens: {self._m.get_error()}")
-
     def fork(self) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self._m.deep_copy())
 
