@@ -87,12 +87,12 @@ def linear_layers_seconds(engine: LLMEngine, rows: int) -> float:
     model = engine.runner.model
     x = {n: torch.randn(rows, n) for n in {model.config.hidden_size, model.config.intermediate_size,
                                            model.config.num_heads * model.config.head_dim}}
-    weights = [m.weight for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    weights.append(model.head_weight)
+    modules = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    modules.append(model.lm_head)
 
     def run() -> None:
-        for w in weights:
-            torch.nn.functional.linear(x[w.shape[1]], w)
+        for m in modules:
+            m(x[m.in_features])
 
     with torch.inference_mode():
         return best_seconds(run, 5)

@@ -129,10 +129,11 @@ def _publish_cache(cache_dir: Path, state, tokenizer: Tokenizer, config: ModelCo
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def build_model(config: ModelConfig, state: dict[str, torch.Tensor]) -> LlamaModel:
+def build_model(config: ModelConfig, state: dict[str, torch.Tensor], pack: bool | None = None) -> LlamaModel:
+    """`pack`: prepack linear weights for oneDNN (LlamaModel.load_weights); default when available."""
     with torch.device("meta"):
         model = LlamaModel(config)
-    model.load_weights(state)
+    model.load_weights(state, pack=pack)
     return model.eval()
 
 
@@ -145,7 +146,8 @@ class LoadedModel:
     tokenizer: Tokenizer
 
 
-def load_model(model: str | os.PathLike | None = None, use_cache: bool = True) -> LoadedModel:
+def load_model(model: str | os.PathLike | None = None, use_cache: bool = True, pack: bool | None = None) -> LoadedModel:
+    """`pack`: prepack linear weights for oneDNN (build_model); default when available."""
     source = resolve_model(model)
     if source.kind == "gguf":
         converted = convert_gguf(source.path, use_cache=use_cache)
@@ -154,4 +156,4 @@ def load_model(model: str | os.PathLike | None = None, use_cache: bool = True) -
         config = ModelConfig.from_hf_config(source.path / "config.json")
         state = fuse_hf_tensors(hf_tensors_from_safetensors(source.path), config)
         tokenizer = Tokenizer.from_pretrained(source.path)
-    return LoadedModel(source.name, source, config, build_model(config, state), tokenizer)
+    return LoadedModel(source.name, source, config, build_model(config, state, pack=pack), tokenizer)

@@ -65,7 +65,6 @@ def measure_linear_ladders(model, rows: tuple[int, ...] = LADDER_ROWS, rounds: i
     qkv, o, gate_up and down in turn (so, as in a forward, no weight stays in cache from
     one call to the next), and the LM head."""
     import torch
-    import torch.nn.functional as F
 
     c = model.config
     body_flops_per_row = 2 * (c.num_params - c.vocab_size * c.hidden_size)
@@ -79,7 +78,7 @@ def measure_linear_ladders(model, rows: tuple[int, ...] = LADDER_ROWS, rounds: i
             for lin in modules:
                 lin(inputs[lin.in_features])
 
-        fns += [body, lambda x=inputs[c.hidden_size]: F.linear(x, model.head_weight)]
+        fns += [body, lambda x=inputs[c.hidden_size]: model.lm_head(x)]
     with torch.inference_mode():
         t = interleaved_medians(fns, rounds)
     linear = tuple((m, body_flops_per_row * m / s) for m, s in zip(rows, t[0::2]))
