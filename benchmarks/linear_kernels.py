@@ -22,12 +22,12 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.model.loader import load_model
-from pagedserve.sampling_params import SamplingParams
 from pagedserve.sim.twin import interleaved_medians
+from step_speed import prefill_step_seconds, start_decoding  # benchmarks/ is on sys.path when run as a script
 
 
 def layer_calls(model, rows: int):
-    modules = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    modules = model.linear_layers()
     x = {m.in_features: torch.randn(rows, m.in_features) for m in modules}
     h = torch.randn(rows, model.config.hidden_size)
 
@@ -40,11 +40,7 @@ def layer_calls(model, rows: int):
 
 def decode_engine(loaded, num_seqs: int, context: int) -> LLMEngine:
     engine = LLMEngine(EngineConfig(kv_cache_memory="1GiB"), loaded=loaded)
-    for i in range(num_seqs):
-        prompt = [(j * 31 + i * 977) % 40000 + 100 for j in range(context)]
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True))
-    while engine.stats()["num_waiting"] or engine.stats()["num_running"] < num_seqs:
-        engine.step()
+    start_decoding(engine, num_seqs, context, max_tokens=1000)
     for _ in range(3):
         engine.step()
     return engine
@@ -54,15 +50,6 @@ def timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
-
-
-def prefill_seconds(engine: LLMEngine, length: int, r: int) -> float:
-    engine.add_request([(i * 31 + r * 977) % 40000 + 100 for i in range(length)],
-                       SamplingParams(temperature=0, max_tokens=1))
-    seconds = timed(engine.step)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return seconds
 
 
 def batch_invariance(model, max_rows: int = 300) -> float:
@@ -113,7 +100,7 @@ def main() -> None:
         del engines
     engines = [LLMEngine(EngineConfig(kv_cache_memory="512MiB", max_num_batched_tokens=1024), loaded=m)
                for m in (plain, packed)]
-    times = [[prefill_seconds(e, 1024, r) for e in engines] for r in range(5)]
+    times = [[prefill_step_seconds(e, 1024, r) for e in engines] for r in range(5)]
     tp, tk = (statistics.median(t[i] for t in times) for i in (0, 1))
     print(f"prefill step, 1,024 tokens: plain {tp * 1e3:.0f} ms, packed {tk * 1e3:.0f} ms: {tp / tk:.2f}x")
 

@@ -56,14 +56,19 @@ class ForwardTimer:
         return out
 
 
-def measure_decode(engine: LLMEngine, num_seqs: int, context: int, steps: int) -> dict:
+def start_decoding(engine: LLMEngine, num_seqs: int, context: int, max_tokens: int) -> None:
+    """Add num_seqs distinct ~context-token prompts and step until all of them decode."""
     prompt = [(i * 7919) % 40000 + 100 for i in range(context)]
-    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(num_seqs):
         # Distinct prompts: no prefix-cache sharing inflates the rate.
         engine.add_request([(t + i) % 40000 + 100 for t in prompt], params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
+
+
+def measure_decode(engine: LLMEngine, num_seqs: int, context: int, steps: int) -> dict:
+    start_decoding(engine, num_seqs, context, steps + 2)
     timer = ForwardTimer(engine)
     times, model_times, flops = [], [], []
     for _ in range(steps):
@@ -87,8 +92,7 @@ def linear_layers_seconds(engine: LLMEngine, rows: int) -> float:
     model = engine.runner.model
     x = {n: torch.randn(rows, n) for n in {model.config.hidden_size, model.config.intermediate_size,
                                            model.config.num_heads * model.config.head_dim}}
-    modules = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    modules.append(model.lm_head)
+    modules = [*model.linear_layers(), model.lm_head]
 
     def run() -> None:
         for m in modules:
@@ -98,17 +102,20 @@ def linear_layers_seconds(engine: LLMEngine, rows: int) -> float:
         return best_seconds(run, 5)
 
 
-def measure_prefill(engine: LLMEngine, length: int, reps: int) -> dict:
-    results = []
-    for r in range(reps):
-        prompt = [(i * 31 + r * 977) % 40000 + 100 for i in range(length)]
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
-        t = time.perf_counter()
+def prefill_step_seconds(engine: LLMEngine, length: int, r: int) -> float:
+    """One step prefilling a fresh `length`-token prompt (the r-th distinct one), timed."""
+    prompt = [(i * 31 + r * 977) % 40000 + 100 for i in range(length)]
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+    t = time.perf_counter()
+    engine.step()
+    seconds = time.perf_counter() - t
+    while engine.has_unfinished_requests():
         engine.step()
-        results.append(time.perf_counter() - t)
-        while engine.has_unfinished_requests():
-            engine.step()
-    best = min(results)
+    return seconds
+
+
+def measure_prefill(engine: LLMEngine, length: int, reps: int) -> dict:
+    best = min(prefill_step_seconds(engine, length, r) for r in range(reps))
     return {"step_s": best, "gflops": step_flops(engine, length, [length // 2] * length, 1) / best / 1e9}
 
 

@@ -6,7 +6,6 @@ import torch
 
 from conftest import REFERENCE_NEW_TOKENS
 from model_utils import greedy_generate, prefill_logits
-from pagedserve.model.llama import can_pack_weights
 from pagedserve.model.loader import build_model, convert_gguf
 
 pytestmark = pytest.mark.oracle
@@ -19,8 +18,6 @@ LOGIT_ATOL = 1e-3
 @pytest.fixture(scope="module", params=[True, False], ids=["packed", "plain"])
 def model(request, gguf_path):
     """Both linear-layer paths: weights prepacked for oneDNN (the default) and F.linear."""
-    if request.param and not can_pack_weights():
-        pytest.skip("this torch has no oneDNN")
     c = convert_gguf(gguf_path)
     return build_model(c.config, c.state, pack=request.param)
 

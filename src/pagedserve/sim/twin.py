@@ -69,7 +69,7 @@ def measure_linear_ladders(model, rows: tuple[int, ...] = LADDER_ROWS, rounds: i
     c = model.config
     body_flops_per_row = 2 * (c.num_params - c.vocab_size * c.hidden_size)
     head_flops_per_row = 2 * c.vocab_size * c.hidden_size
-    modules = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    modules = model.linear_layers()
     fns = []
     for m in rows:
         inputs = {f: torch.randn(m, f) for f in (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size)}
