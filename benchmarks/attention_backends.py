@@ -246,7 +246,7 @@ class Chosen:
                 cpu_backend._attend_group(group, q, kv_cache, workspace, out, scale)
             for chunk in plan.prefills:
                 workspace = _fresh(kv_cache, chunk.block_ids.numel())
-                cpu_backend._attend_prefill(chunk, q, k, v, kv_cache, workspace, out, scale)
+                cpu_backend.attend_prefill(chunk, q, k, v, kv_cache, workspace, out, scale)
         else:
             workspace = self.backend._workspace_for(kv_cache, plan.max_gathered_blocks)
             for group in plan.groups:

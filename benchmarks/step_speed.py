@@ -11,7 +11,7 @@ FLOPs counted: 2 x (non-embedding params) per token, plus 2 x vocab x hidden per
 sampled row (the logits), plus attention (4 x layers x heads x head_dim x context
 per query token). Overhead = step time minus time inside the model's forward.
 
-    .venv/bin/python benchmarks/step_speed.py [--decode-seqs 32] [--context 256]
+    .venv/bin/python benchmarks/step_speed.py [--decode-seqs 32] [--context 256] [--kernels native,torch,native:gguf]
 """
 from __future__ import annotations
 
@@ -67,23 +67,29 @@ def start_decoding(engine: LLMEngine, num_seqs: int, context: int, max_tokens: i
         engine.step()
 
 
-def measure_decode(engine: LLMEngine, num_seqs: int, context: int, steps: int) -> dict:
-    start_decoding(engine, num_seqs, context, steps + 2)
-    timer = ForwardTimer(engine)
-    times, model_times, flops = [], [], []
+def measure_decode(engines: list[LLMEngine], num_seqs: int, context: int, steps: int) -> list[dict]:
+    """The median decode step of each engine, their steps taken in turn so that load
+    from other processes reaches all of them alike."""
+    for engine in engines:
+        start_decoding(engine, num_seqs, context, steps + 2)
+    timers = [ForwardTimer(engine) for engine in engines]
+    samples: list[list[tuple[float, float, float]]] = [[] for _ in engines]
     for _ in range(steps):
-        ctx = [r.num_tokens for r in engine.scheduler.running]
-        before = timer.elapsed
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-        model_times.append(timer.elapsed - before)
-        flops.append(step_flops(engine, len(ctx), ctx, len(ctx)))
-    engine.runner.model.forward = timer.inner
-    while engine.has_unfinished_requests():
-        engine.step()
-    i = times.index(statistics.median(times)) if len(times) % 2 else sorted(range(len(times)), key=times.__getitem__)[len(times) // 2]
-    return {"step_s": times[i], "model_s": model_times[i], "gflops": flops[i] / times[i] / 1e9}
+        for engine, timer, taken in zip(engines, timers, samples):
+            ctx = [r.num_tokens for r in engine.scheduler.running]
+            before = timer.elapsed
+            t = time.perf_counter()
+            engine.step()
+            seconds = time.perf_counter() - t
+            taken.append((seconds, timer.elapsed - before, step_flops(engine, len(ctx), ctx, len(ctx))))
+    results = []
+    for engine, timer, taken in zip(engines, timers, samples):
+        engine.runner.model.forward = timer.inner
+        while engine.has_unfinished_requests():
+            engine.step()
+        seconds, model_seconds, flops = sorted(taken)[len(taken) // 2]
+        results.append({"step_s": seconds, "model_s": model_seconds, "gflops": flops / seconds / 1e9})
+    return results
 
 
 def linear_layers_seconds(engine: LLMEngine, rows: int) -> float:
@@ -125,27 +131,39 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--prefill-len", type=int, default=1024)
+    ap.add_argument("--kernels", default="auto",
+                    help="comma-separated kernel paths (auto, native, torch), each optionally with a "
+                         "--quantization after a colon (native:gguf); each its own engine, decode steps "
+                         "interleaved: e.g. native,torch,native:gguf for paired ratios")
     args = ap.parse_args()
 
-    engine = LLMEngine(EngineConfig(
+    choices = [(c.partition(":")[0], c.partition(":")[2] or "none") for c in args.kernels.split(",")]
+    engines = [LLMEngine(EngineConfig(
         max_num_batched_tokens=max(args.prefill_len, args.decode_seqs * args.context),
-        kv_cache_memory=1 << 30, enable_prefix_caching=False,
-    ))
+        kv_cache_memory=1 << 30, enable_prefix_caching=False, kernels=kernels, quantization=quantization,
+    )) for kernels, quantization in choices]
     print(f"threads: {torch.get_num_threads()}")
     mm = measure_matmul_flops(2048, 2048, 2048) / 1e9
     bw = gemv_gbps()
     print(f"machine: fp32 matmul {mm:.1f} GFLOP/s (2048^3), GEMV {bw:.1f} GB/s")
-    d = measure_decode(engine, args.decode_seqs, args.context, args.steps)
-    overhead = 1 - d["model_s"] / d["step_s"]
-    print(f"decode: {args.decode_seqs} seqs x ~{args.context} ctx: step {d['step_s'] * 1e3:.1f} ms, "
-          f"{d['gflops']:.1f} GFLOP/s = {d['gflops'] / mm:.0%} of matmul rate; "
-          f"overhead outside the forward {overhead:.1%}")
+    decodes = measure_decode(engines, args.decode_seqs, args.context, args.steps)
+    for engine, d in zip(engines, decodes):
+        overhead = 1 - d["model_s"] / d["step_s"]
+        print(f"[{engine.kernels} kernels, {engine.runner.backend.name} attention, "
+              f"{engine.config.quantization} weights] decode: {args.decode_seqs} seqs "
+              f"x ~{args.context} ctx: step {d['step_s'] * 1e3:.1f} ms, {d['gflops']:.1f} GFLOP/s = "
+              f"{d['gflops'] / mm:.0%} of matmul rate; overhead outside the forward {overhead:.1%}")
+    if len(engines) > 1:
+        print("decode step time relative to the first: "
+              + ", ".join(f"{e.kernels}:{e.config.quantization} {d['step_s'] / decodes[0]['step_s']:.2f}x" for e, d in zip(engines, decodes)))
+    engine, d = engines[0], decodes[0]
     gemm_s = linear_layers_seconds(engine, args.decode_seqs)
     print(f"ceiling: the step's GEMMs alone at {args.decode_seqs} rows take {gemm_s * 1e3:.1f} ms = "
           f"{d['gflops'] * d['step_s'] / gemm_s / mm:.0%} of matmul rate with free attention and no overhead")
-    p = measure_prefill(engine, args.prefill_len, 3)
-    print(f"prefill: {args.prefill_len} tokens in one step: {p['step_s'] * 1e3:.0f} ms, "
-          f"{p['gflops']:.1f} GFLOP/s = {p['gflops'] / mm:.0%} of matmul rate")
+    for engine in engines:
+        p = measure_prefill(engine, args.prefill_len, 3)
+        print(f"[{engine.kernels} kernels, {engine.config.quantization} weights] prefill: {args.prefill_len} tokens in one step: "
+              f"{p['step_s'] * 1e3:.0f} ms, {p['gflops']:.1f} GFLOP/s = {p['gflops'] / mm:.0%} of matmul rate")
 
 
 if __name__ == "__main__":

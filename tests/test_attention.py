@@ -1,6 +1,7 @@
 """The fast CPU backend against the per-sequence reference, on shuffled block tables."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,8 +12,9 @@ from hypothesis import strategies as st
 from pagedserve.attention.backend import ReferenceBackend
 from pagedserve.attention.cpu_backend import PREFILL_MIN_QUERY_LEN, CpuPagedAttention, partition_by_length
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.testing import random_step
 from pagedserve.attention.selector import backend_names, get_backend
+from pagedserve.attention.testing import random_step
+from pagedserve.attention.timed import TimedBackend
 
 HEAD_DIM = 8
 LONG = PREFILL_MIN_QUERY_LEN + 5  # a query long enough to take the prefill path
@@ -136,6 +138,21 @@ def test_plan_is_reused_across_layers_and_rebuilt_for_a_new_step():
             assert backend.prepare(meta) is plan
 
 
+def test_step_metadata_cannot_be_edited_into_another_step():
+    _, _, _, _, meta = make_step([(1, 10), (2, 7)], seed=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        meta.seq_lens_cpu = [11, 8]
+
+
+def test_timed_backend_adds_up_the_seconds_of_the_backend_it_wraps():
+    timed = TimedBackend(CpuPagedAttention())
+    q, k, v, cache, meta = make_step([(1, 10), (LONG, LONG + 5)], seed=3)
+    expected = ReferenceBackend().forward(q, k, v, cache.clone(), meta, 0.35)
+    timed.prepare(meta)
+    torch.testing.assert_close(timed.forward(q, k, v, cache, meta, 0.35), expected, rtol=1e-5, atol=1e-5)
+    assert timed.name == "cpu" and timed.seconds > 0
+
+
 def test_backend_works_in_and_out_of_inference_mode():
     backend = CpuPagedAttention()
     q, k, v, cache, meta = make_step([(1, 9), (LONG, LONG + 3)])
@@ -168,6 +185,6 @@ def test_heads_not_a_multiple_of_kv_heads_is_rejected():
 def test_selector_defaults_to_the_cpu_backend_and_names_the_choices():
     assert isinstance(get_backend(None), CpuPagedAttention)
     assert isinstance(get_backend("reference"), ReferenceBackend)
-    assert backend_names() == ["cpu", "reference"]
-    with pytest.raises(ValueError, match=r"\['cpu', 'reference'\]"):
+    assert backend_names() == ["cpu", "native", "reference"]
+    with pytest.raises(ValueError, match=r"\['cpu', 'native', 'reference'\]"):
         get_backend("flash")

@@ -148,6 +148,16 @@ def test_abort_frees_blocks(loaded):
     assert_all_blocks_free(llm)
 
 
+def test_attention_timer_times_real_steps_and_restores_the_backend(loaded):
+    llm = make_llm(loaded)
+    runner = llm.engine.runner
+    plain = runner.backend
+    with runner.attention_timer() as timed:
+        llm.generate(["Count to five: 1,"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert timed.seconds > 0 and timed.inner is plain
+    assert runner.backend is plain
+
+
 def test_finished_status_names():
     assert RequestStatus.FINISHED_LENGTH.finish_reason == "length"
 

@@ -6,6 +6,9 @@ import torch
 
 from conftest import REFERENCE_NEW_TOKENS
 from model_utils import greedy_generate, prefill_logits
+from pagedserve.attention.backend import ReferenceBackend
+from pagedserve.attention.native_backend import NativePagedAttention
+from pagedserve.kernels import resolve_kernels
 from pagedserve.model.loader import build_model, convert_gguf
 
 pytestmark = pytest.mark.oracle
@@ -15,18 +18,25 @@ pytestmark = pytest.mark.oracle
 LOGIT_ATOL = 1e-3
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["packed", "plain"])
-def model(request, gguf_path):
-    """Both linear-layer paths: weights prepacked for oneDNN (the default) and F.linear."""
+@pytest.fixture(scope="module", params=[(True, "native"), (True, "torch"), (False, "torch")],
+                ids=["packed-native", "packed-torch", "plain-torch"])
+def model_and_backend(request, gguf_path):
+    """Both linear-layer paths (weights prepacked for oneDNN, the default, and F.linear)
+    and both kernel paths (pagedserve's native ops and attention backend, and pure
+    torch with the per-sequence reference attention)."""
+    pack, kernels = request.param
     c = convert_gguf(gguf_path)
-    return build_model(c.config, c.state, pack=request.param)
+    model = build_model(c.config, c.state, pack=pack)
+    model.set_kernels(resolve_kernels(kernels))
+    return model, NativePagedAttention() if kernels == "native" else ReferenceBackend()
 
 
 @torch.inference_mode()
-def test_logits_match_reference(model, hf_model, reference_prompts):
+def test_logits_match_reference(model_and_backend, hf_model, reference_prompts):
+    model, backend = model_and_backend
     worst = 0.0
     for ids in reference_prompts:
-        ours = prefill_logits(model, ids)
+        ours = prefill_logits(model, ids, backend)
         ref = hf_model(torch.tensor([ids])).logits[0]
         diff = (ours - ref).abs().max().item()
         worst = max(worst, diff)
@@ -36,9 +46,10 @@ def test_logits_match_reference(model, hf_model, reference_prompts):
 
 
 @torch.inference_mode()
-def test_greedy_continuations_match_reference(model, reference_prompts, reference_greedy, hf_tokenizer):
+def test_greedy_continuations_match_reference(model_and_backend, reference_prompts, reference_greedy, hf_tokenizer):
+    model, backend = model_and_backend
     for ids, ref in zip(reference_prompts, reference_greedy):
-        ours = greedy_generate(model, ids, REFERENCE_NEW_TOKENS)
+        ours = greedy_generate(model, ids, REFERENCE_NEW_TOKENS, backend)
         # The reference stops after EOS; ours was told to run on.
         assert len(ref) == REFERENCE_NEW_TOKENS or ref[-1] == hf_tokenizer.eos_token_id
         assert ours[: len(ref)] == ref

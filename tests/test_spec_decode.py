@@ -15,8 +15,8 @@ from engine_utils import KV_BYTES_PER_BLOCK, assert_all_blocks_free, busy_batch,
 from pagedserve import SamplingParams
 from pagedserve.core.outputs import ScheduledRequest
 from pagedserve.core.request import Request
-from pagedserve.engine.llm_engine import SamplingState
 from pagedserve.model.loader import load_model
+from pagedserve.sampling_state import SamplingState
 from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.spec_decode.metrics import SpecDecodeStats
 from pagedserve.spec_decode.ngram import propose_ngram

@@ -153,7 +153,7 @@ def test_compile_time_limit_is_a_value_error(tokenizer):
 def test_missing_backend_package_is_a_value_error(tokenizer, monkeypatch):
     import sys
 
-    from pagedserve.structured_output.backend import make_backend
+    from pagedserve.structured_output.registry import make_backend
 
     # As on an install without the `guided` extra: importing llguidance fails.
     monkeypatch.setitem(sys.modules, "llguidance", None)

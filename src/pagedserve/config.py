@@ -4,10 +4,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field, fields
 
-from .core.config import POLICIES, SCHEDULING_POLICIES, whole_prompt_budget
+from .core.config import (
+    MIN_WHOLE_PROMPT_BUDGET,
+    POLICIES,
+    SCHEDULING_POLICIES,
+    CacheConfig,
+    SchedulerConfig,
+    chunks_prefill,
+    whole_prompt_budget,
+)
+from .core.step_budget import LatencyTarget
+from .core.validation import is_int
+from .kernels import KERNEL_CHOICES
+from .model.config import QUANTIZATION_CHOICES
 from .spec_decode.config import SpeculativeConfig
 
 # Default token budget per step on a CPU. A step costs about 2 x params FLOPs per
@@ -44,7 +57,18 @@ class EngineConfig:
     long_prefill_token_threshold: int = field(default=0, metadata={"help": "cap one prompt's tokens per step (0 = off)"})
     scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs or priority"})
     policy: str = field(default="chunked", metadata={"help": "scheduler study mode: " + ", ".join(POLICIES)})
-    attention_backend: str | None = field(default=None, metadata={"help": "cpu (default) or reference"})
+    attention_backend: str | None = field(default=None, metadata={
+        "help": "native (the default with native kernels), cpu (the default with torch kernels) or reference"})
+    kernels: str = field(default="auto", metadata={
+        "help": "native: pagedserve's AVX2 op library; torch: pure torch; auto: native where the CPU and build allow"})
+    itl_target_ms: float | None = field(default=None, metadata={
+        "help": "choose each step's token budget to keep inter-token latency under this (chunked policy); "
+                "--max-num-batched-tokens is then the cap (default 2048)"})
+    ttft_target_ms: float | None = field(default=None, metadata={
+        "help": "with a latency target: how long a step may take when no decode is running (default: up to the cap)"})
+    quantization: str = field(default="none", metadata={
+        "help": "linear-layer weights: none (fp32); q8_0, q4_0, q4_1 (llama.cpp blocks, quantised at load); "
+                "gguf (a GGUF's own blocks, not inflated to fp32). Needs the native kernels"})
     num_threads: int | None = field(default=None, metadata={"help": "torch threads; default: all cores"})
     seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
     speculative_config: SpeculativeConfig | dict | str | None = field(default=None, metadata={
@@ -55,21 +79,56 @@ class EngineConfig:
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_memory(self.kv_cache_memory)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
+        if self.quantization != "none" and self.kernels == "torch":
+            raise ValueError(f"quantization={self.quantization!r} runs on the native kernels; kernels='torch' has none")
         # Scheduler and cache fields are validated by core's SchedulerConfig / CacheConfig
         # when the engine builds them; only the engine's own fields are checked here.
         for name in ("kv_cache_memory", "num_threads"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            if value is not None and (not is_int(value) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("itl_target_ms", "ttft_target_ms"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{name} must be a number of milliseconds > 0, got {value!r}")
 
     def effective_max_num_batched_tokens(self, max_model_len: int) -> int:
         """The flag if given; else 256 when prompts are chunked, and when they are not
         (policies continuous, static, naive) a budget that holds a whole prompt, as vLLM."""
         if self.max_num_batched_tokens:
             return self.max_num_batched_tokens
-        if self.policy == "chunked" and self.enable_chunked_prefill:
+        if self.latency_target() is not None:
+            # The target sizes steps; the cap only has to let a wave of prompts into one (vLLM's 2,048).
+            return MIN_WHOLE_PROMPT_BUDGET
+        if chunks_prefill(self.policy, self.enable_chunked_prefill):
             return CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
         return whole_prompt_budget(max_model_len, self.max_num_seqs)
+
+    def latency_target(self) -> LatencyTarget | None:
+        """The ITL/TTFT targets in seconds; None when neither is given (the fixed budget)."""
+        if self.itl_target_ms is None and self.ttft_target_ms is None:
+            return None
+        return LatencyTarget(_ms_to_s(self.itl_target_ms), _ms_to_s(self.ttft_target_ms))
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_batched_tokens=self.effective_max_num_batched_tokens(max_model_len),
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            scheduling_policy=self.scheduling_policy,
+            policy=self.policy,
+        )
+
+    def cache_config(self, num_blocks: int) -> CacheConfig:
+        return CacheConfig(num_blocks=num_blocks, block_size=self.block_size,
+                           enable_prefix_caching=self.enable_prefix_caching)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -82,8 +141,11 @@ class EngineConfig:
                 parser.add_argument(flag, type=parse_memory, default=None, help=help_text)
             elif f.name in ("model", "attention_backend", "speculative_config"):
                 parser.add_argument(flag, type=str, default=f.default, help=help_text)
-            elif f.name in ("policy", "scheduling_policy"):
-                choices = POLICIES if f.name == "policy" else SCHEDULING_POLICIES
+            elif f.name in ("itl_target_ms", "ttft_target_ms"):
+                parser.add_argument(flag, type=float, default=None, help=help_text)
+            elif f.name in ("policy", "scheduling_policy", "kernels", "quantization"):
+                choices = {"policy": POLICIES, "scheduling_policy": SCHEDULING_POLICIES, "kernels": KERNEL_CHOICES,
+                           "quantization": QUANTIZATION_CHOICES}[f.name]
                 parser.add_argument(flag, choices=choices, default=f.default, help=help_text)
             else:
                 parser.add_argument(flag, type=int, default=f.default, help=help_text)
@@ -94,6 +156,10 @@ class EngineConfig:
 
     def describe(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _ms_to_s(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000
 
 
 def default_kv_cache_memory() -> int:

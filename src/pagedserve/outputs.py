@@ -55,3 +55,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the
+    # first, which has no context), complete from the first output on.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

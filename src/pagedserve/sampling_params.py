@@ -14,6 +14,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from .core.validation import is_int
 from .structured_output.spec import StructuredOutputs
 
 # Below this temperature the softmax is a one-hot in float32 anyway; sampling
@@ -31,8 +32,7 @@ _CHILD_SEED_STRIDE = 0x9E3779B97F4A7C15
 
 
 def _require_int(name: str, value: object) -> int:
-    # bool is an int subclass; True as a count or token id is always a caller bug.
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     return value
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from pagedserve.bench.compare import run_engine
-from pagedserve.bench.datasets import random_dataset, shared_prefix_dataset
+from pagedserve.workload.datasets import random_dataset, shared_prefix_dataset
 from pagedserve.entrypoints.cli import main
 from pagedserve.model.loader import load_model
 

@@ -7,7 +7,7 @@ import json
 
 from aiohttp import web
 
-from pagedserve.bench.datasets import random_dataset
+from pagedserve.workload.datasets import random_dataset
 from pagedserve.bench.serve import ServeConfig, run, summary
 from pagedserve.entrypoints.cli import main
 from tests.server.server_process import start_server
@@ -93,11 +93,11 @@ def test_spec_decode_acceptance_from_two_metrics_scrapes():
     from pagedserve.bench.serve import parse_spec_decode_counters, spec_decode_delta
     from pagedserve.engine.async_engine import EngineSnapshot
     from pagedserve.entrypoints.openai.metrics import ServerMetrics
+    from pagedserve.spec_decode.metrics import SpecDecodeStats
 
     def scrape(drafts: int, proposed: int, accepted: int, per_pos: list[int]) -> dict:
         metrics = ServerMetrics("m")
-        spec = {"spec_num_drafts": drafts, "spec_num_draft_tokens": proposed,
-                "spec_num_accepted_tokens": accepted, "spec_accepted_per_pos": per_pos}
+        spec = SpecDecodeStats(len(per_pos), drafts, proposed, accepted, per_pos)
         metrics.watch(SimpleNamespace(snapshot=EngineSnapshot(spec_decode=spec), num_waiting=0))
         return parse_spec_decode_counters(metrics.render().decode())
 

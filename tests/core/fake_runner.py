@@ -135,9 +135,7 @@ class Driver:
         sched = self.scheduler
         had_work = sched.has_unfinished_requests()
         if self.propose is not None:
-            for r in sched.running:
-                if r.num_tokens - r.num_computed_tokens == 1:
-                    r.spec_token_ids = self.propose(r)
+            sched.update_draft_token_ids({r.request_id: self.propose(r) for r in sched.running if r.is_decode})
         out = sched.schedule()
         self.history.append(out)
         if self.check:

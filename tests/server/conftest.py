@@ -27,6 +27,15 @@ def server(server_logs) -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="session")
+def spec_server(server_logs) -> Iterator[ServerProcess]:
+    """A server with n-gram speculative decoding, whose /metrics carries the spec_decode_* series."""
+    proc = start_server(server_logs, "--speculative-config",
+                        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}')
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
 def http(server) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=60) as client:
         yield client

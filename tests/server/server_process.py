@@ -47,11 +47,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(log_dir: Path, *flags: str, env: dict[str, str] | None = None) -> ServerProcess:
-    """Start a server and wait until /health answers 200."""
+def start_server(log_dir: Path, *flags: str, env: dict[str, str] | None = None,
+                 entry: str = "pagedserve.entrypoints.cli") -> ServerProcess:
+    """Start a server (`python -m entry serve ...`) and wait until /health answers 200."""
     port = _free_port()
     log_path = log_dir / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port),
+    cmd = [sys.executable, "-m", entry, "serve", "--port", str(port),
            *SMALL_SERVER_FLAGS, "--uvicorn-log-level", "warning", *flags]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})

@@ -1,4 +1,4 @@
-"""With an API key, everything but /health, /metrics and /version needs it, however the path is spelled."""
+"""With an API key, everything but /health needs it, however the path is spelled and whatever the Host."""
 from __future__ import annotations
 
 from http.client import HTTPConnection
@@ -43,6 +43,9 @@ PROTECTED = [
     ("POST", "/v1//completions"), ("POST", "/v1/../v1/completions"), ("POST", "/v1/completions/"),
     ("POST", "/%761/completions"), ("POST", "/v1/completions?x=/health"), ("GET", "/V1/MODELS"),
     ("POST", "/health/../v1/completions"), ("GET", "/docs"), ("GET", "/no/such/route"),
+    ("POST", "/v1%2Fcompletions"), ("POST", "/v1%2fcompletions/"), ("POST", "/tokenize/"), ("POST", "//tokenize"),
+    ("GET", "/metrics"), ("GET", "/metrics/"), ("GET", "//metrics"), ("GET", "/version"), ("GET", "/openapi.json"),
+    ("GET", "/health/../metrics"), ("GET", "/health%2F..%2Fmetrics"),
 ]
 
 
@@ -65,9 +68,40 @@ def test_the_key_opens_the_api(keyed_server):
         openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="nope", max_retries=0).models.list()
 
 
-@pytest.mark.parametrize("path", ["/health", "/metrics", "/version"])
-def test_open_paths_need_no_key(keyed_server, path):
-    assert raw_request(keyed_server.port, "GET", path) == 200
+def test_only_health_needs_no_key(keyed_server):
+    assert raw_request(keyed_server.port, "GET", "/health") == 200
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "evil.example", "", "127.0.0.1:1/health"])
+def test_the_host_header_does_not_matter(keyed_server, host):
+    assert raw_request(keyed_server.port, "GET", "/metrics", {"host": host}) in (400, 401)
+    assert raw_request(keyed_server.port, "GET", "/metrics", {"host": host, "authorization": f"Bearer {KEY}"}) \
+        in (200, 400)
+
+
+def test_metrics_and_openapi_open_with_the_key(keyed_server):
+    bearer = {"authorization": f"Bearer {KEY}"}
+    for path in ("/metrics", "/version", "/openapi.json", "/docs"):
+        assert raw_request(keyed_server.port, "GET", path, bearer) == 200, path
+
+
+def test_keys_are_compared_as_equal_length_digests(monkeypatch):
+    """Constant time whatever the length: compare_digest only ever sees two 32-byte digests."""
+    from pagedserve.entrypoints.openai import middleware
+
+    seen: list[tuple[int, int]] = []
+    real = middleware.hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        seen.append((len(a), len(b)))
+        return real(a, b)
+
+    monkeypatch.setattr(middleware.hmac, "compare_digest", spy)
+    check = middleware.APIKeyMiddleware(app=None, api_key=KEY)
+    for token in (b"", b"x", KEY.encode(), KEY.encode() * 50):
+        authorized = check._authorized({"headers": [(b"authorization", b"Bearer " + token)]})
+        assert authorized == (token == KEY.encode())
+    assert seen == [(32, 32)] * 4
 
 
 def test_the_key_never_reaches_the_log(keyed_server):

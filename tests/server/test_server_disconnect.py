@@ -31,27 +31,33 @@ def wait_for_empty_engine(http: httpx.Client, within_s: float) -> dict[str, floa
         time.sleep(0.05)
 
 
+async def leave_stream(client: httpx.AsyncClient, path: str, body: dict, leave_after: int, rng: random.Random,
+                       max_wait_s: float = 0.5) -> int:
+    """Stream `body` and hang up after `leave_after` events, or (0) before any response,
+    cancelling after a random wait of up to `max_wait_s`; the events seen."""
+    body = {**body, "stream": True}
+    if leave_after == 0:
+        task = asyncio.ensure_future(client.post(path, json=body))
+        await asyncio.sleep(rng.uniform(0.0, max_wait_s))
+        task.cancel()
+        return 0
+    seen = 0
+    async with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                seen += 1
+                if seen >= leave_after:
+                    break
+    return seen
+
+
 async def _stream_then_leave(url: str, i: int, rng: random.Random) -> int:
     """Stream a long completion and hang up after a random number of events (0 = before the first)."""
-    leave_after = rng.randint(0, 6)
-    body = {"prompt": f"Client {i} tells a long story:", "max_tokens": 200, "ignore_eos": True, "stream": True,
+    body = {"prompt": f"Client {i} tells a long story:", "max_tokens": 200, "ignore_eos": True,
             "temperature": 0.8, "seed": i}
-    seen = 0
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-        if leave_after == 0:
-            # Leave before any response: cancel the request after a random short delay.
-            task = asyncio.ensure_future(client.post("/v1/completions", json=body))
-            await asyncio.sleep(rng.uniform(0.0, 0.5))
-            task.cancel()
-            return 0
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    seen += 1
-                    if seen >= leave_after:
-                        break
-    return seen
+        return await leave_stream(client, "/v1/completions", body, rng.randint(0, 6), rng)
 
 
 def test_fifty_streaming_clients_leaving_at_random_points_free_everything(server, http):

@@ -12,6 +12,12 @@ from pathlib import Path
 import httpx
 
 from .server_process import start_server
+from .test_server_disconnect import engine_gauges
+
+
+def engine_gauges_of(url: str) -> dict[str, float]:
+    with httpx.Client(base_url=url, timeout=10) as http:
+        return engine_gauges(http)
 
 SHUTDOWN_TIMEOUT_S = 3.0
 
@@ -53,7 +59,10 @@ def test_sigterm_drains_then_aborts_then_exits_0(server_logs):
     assert first_token.wait(30)
     threads.append(threading.Thread(target=short_request))
     threads[1].start()
-    time.sleep(0.2)  # let the short request be admitted
+    # Wait until the engine runs both (a fixed sleep lost this race on a loaded machine).
+    deadline = time.monotonic() + 30
+    while engine_gauges_of(server.url)["num_requests_running"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
     children_before = child_pids(server.proc.pid)
     sent = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)

@@ -4,17 +4,6 @@ from __future__ import annotations
 import re
 
 import httpx
-import pytest
-
-from .server_process import start_server
-
-
-@pytest.fixture(scope="module")
-def spec_server(server_logs):
-    proc = start_server(server_logs, "--speculative-config",
-                        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}')
-    yield proc
-    proc.stop()
 
 
 def counter(text: str, name: str) -> float:

@@ -65,8 +65,7 @@ JSON_CASES = [
     ("chat-message-without-role", *chat(messages=[{"content": "x"}]), 400, "messages"),
     ("chat-image-part", *chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
      400, "messages"),
-    ("chat-tools", *chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
-    ("echo-with-logprobs", *completion(echo=True, logprobs=1), 400, "echo"),
+    ("chat-tool-not-a-function", *chat(tools=[{"type": "retrieval"}]), 400, "tools"),
     ("stream-not-bool", *completion(stream="yes"), 400, "stream"),
     ("unknown-model", *completion(model="gpt-4"), 404, "model"),
     ("chat-unknown-model", *chat(model="gpt-4"), 404, "model"),
@@ -74,6 +73,13 @@ JSON_CASES = [
     ("body-is-a-string", CHAT, "hello", 400, None),
     ("detokenize-over-vocab", "/detokenize", {"tokens": [VOCAB]}, 400, "tokens"),
     ("tokenize-neither", "/tokenize", {"add_special_tokens": True}, 400, "prompt"),
+    # Found by hand and by schemathesis (issue 17): each was a 500.
+    ("chat-empty-role-null-content", CHAT, {"messages": [{"role": "", "content": None}]}, 400, "messages"),
+    ("tokenize-empty-role-null-content", "/tokenize", {"messages": [{"role": "", "content": None}]}, 400,
+     "messages"),
+    ("chat-null-content-the-template-cannot-render", *chat(messages=[{"role": "user", "content": None}]), 400,
+     "messages"),
+    ("chat-min-tokens-beyond-the-room-left", CHAT, {"messages": MESSAGES, "min_tokens": 5000}, 400, "min_tokens"),
 ]
 
 RAW_CASES = [
@@ -85,6 +91,11 @@ RAW_CASES = [
     ("temperature-overflow", COMPLETIONS, b'{"prompt": "x", "max_tokens": 2, "temperature": 1e999}', 400),
     ("top-p-nan", CHAT, b'{"messages": [{"role": "user", "content": "x"}], "top_p": NaN}', 400),
     ("deeply-nested", COMPLETIONS, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
+    # A lone surrogate is valid JSON but not Unicode text (issue 17: the tokenizer raised, a 500).
+    ("lone-surrogate-prompt", COMPLETIONS, b'{"prompt": "\\ud800", "max_tokens": 2}', 400),
+    ("lone-surrogate-tokenize", "/tokenize", b'{"prompt": "a\\udfff"}', 400),
+    ("lone-surrogate-chat", CHAT, b'{"messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 2}', 400),
+    ("lone-surrogate-stop", COMPLETIONS, b'{"prompt": "hi", "max_tokens": 2, "stop": ["\\udc00"]}', 400),
 ]
 
 def assert_openai_error(r, status: int, param: str | None = None) -> None:
@@ -106,6 +117,23 @@ def test_bad_json_request(http, path, body, status, param):
 @pytest.mark.parametrize(("path", "raw", "status"), [c[1:] for c in RAW_CASES], ids=[c[0] for c in RAW_CASES])
 def test_bad_raw_body(http, path, raw, status):
     assert_openai_error(http.post(path, content=raw, headers={"content-type": "application/json"}), status)
+
+
+def test_lone_surrogate_names_its_field_and_a_pair_is_fine(http):
+    raw = b'{"prompt": "\\ud800", "max_tokens": 2}'
+    r = http.post(COMPLETIONS, content=raw, headers={"content-type": "application/json"})
+    assert_openai_error(r, 400, "prompt")
+    assert "surrogate" in r.json()["error"]["message"]
+    paired = b'{"prompt": "smile \\ud83d\\ude00", "max_tokens": 1}'  # one emoji, written as a UTF-16 pair
+    assert http.post(COMPLETIONS, content=paired, headers={"content-type": "application/json"}).status_code == 200
+
+
+def test_integral_floats_count_as_integers(http):
+    """JSON Schema calls 2.0 an integer, so the published schema allows it; 2.5 stays a 400."""
+    r = http.post(COMPLETIONS, content=b'{"prompt": [1.0, 2.0], "max_tokens": 2.0, "ignore_eos": true}',
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 2,
+                                                          "total_tokens": 4}
 
 
 def test_context_errors_carry_both_numbers(http):

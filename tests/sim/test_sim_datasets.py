@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from pagedserve.bench.datasets import (FIRST_TOKEN_ID, SHAREGPT_MEAN_INPUT, add_dataset_args, dataset_from_args,
+from pagedserve.workload.datasets import (FIRST_TOKEN_ID, SHAREGPT_MEAN_INPUT, add_dataset_args, dataset_from_args,
                                        jsonl_dataset, mixed_dataset, random_dataset, shared_prefix_dataset,
                                        sharegpt_like_dataset)
 

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from pagedserve.sim.metrics import SLO, RequestRecord, percentile, summarize
+from pagedserve.workload.metrics import SLO, RequestRecord, percentile, summarize
 
 
 def test_percentile_interpolates_linearly():

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from pagedserve.bench.datasets import BenchRequest, mixed_dataset
+from pagedserve.workload.datasets import BenchRequest, mixed_dataset
 from pagedserve.sim.cost_model import CostModel
 from pagedserve.sim.hardware import get_hardware
 from pagedserve.sim.models import MODELS

@@ -15,6 +15,11 @@ from .metadata import AttentionMetadata
 class AttentionBackend(Protocol):
     name: str
 
+    def prepare(self, meta: AttentionMetadata) -> object:
+        """Work shared by every layer of the step `meta` describes (index building,
+        grouping), done once before the forward; `forward` may rely on it."""
+        ...
+
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -26,6 +31,16 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         """Store k/v at meta.slot_mapping, then attend over each sequence's context."""
         ...
+
+
+def check_step(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    """ValueError unless q's heads are a multiple of the cache's KV heads and its rows
+    are the step's tokens."""
+    num_heads, num_kv_heads = q.shape[1], kv_cache.shape[-2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"q has {num_heads} heads; must be a multiple of the cache's {num_kv_heads} KV heads")
+    if q.shape[0] != meta.num_tokens:
+        raise ValueError(f"q has {q.shape[0]} rows; meta.slot_mapping has {meta.num_tokens}")
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -40,6 +55,9 @@ class ReferenceBackend:
     for faster backends; never on the hot path."""
 
     name = "reference"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Nothing to share: each sequence is attended on its own."""
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta.slot_mapping)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .backend import write_kv
+from .backend import check_step, write_kv
 from .metadata import AttentionMetadata
 
 # From this many query tokens on, a sequence gets its own call: the causal kernel
@@ -93,9 +93,9 @@ class CpuPagedAttention:
 
     `prepare(meta)` builds the step's grouping, gather indices and masks once; every
     layer's `forward` given the same metadata object reuses them. The first forward of
-    a step calls it if the runner has not, so a runner that only speaks the
-    AttentionBackend protocol gets the same reuse. A new step must come with a new
-    metadata object: one mutated in place would be served the old plan.
+    a step calls it if the caller has not (tests and benchmarks call `forward` alone).
+    The plan is keyed by the metadata object, which is frozen, so a plan can never
+    outlive the step it was built for.
 
     Gathered K/V land in a workspace kept between calls and layers: a fresh tensor of
     that size per call costs page faults that outweigh the copy itself (the 200 MB
@@ -123,32 +123,33 @@ class CpuPagedAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_heads, num_kv_heads = q.shape[1], kv_cache.shape[-2]
-        if num_heads % num_kv_heads:
-            raise ValueError(f"q has {num_heads} heads; must be a multiple of the cache's {num_kv_heads} KV heads")
-        if q.shape[0] != meta.num_tokens:
-            raise ValueError(f"q has {q.shape[0]} rows; meta.slot_mapping has {meta.num_tokens}")
+        check_step(q, kv_cache, meta)
         plan = self.prepare(meta)
         write_kv(k, v, kv_cache, meta.slot_mapping)
-        out = q.new_empty(q.shape[0], num_heads * q.shape[2])
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         workspace = self._workspace_for(kv_cache, plan.max_gathered_blocks)
         for group in plan.groups:
             _attend_group(group, q, kv_cache, workspace, out, scale)
         for chunk in plan.prefills:
-            _attend_prefill(chunk, q, k, v, kv_cache, workspace, out, scale)
+            attend_prefill(chunk, q, k, v, kv_cache, workspace, out, scale)
         return out
 
     def _workspace_for(self, kv_cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
-        """A flat buffer for the K/V of `num_blocks` blocks, kept while it is big enough."""
-        numel = 2 * num_blocks * math.prod(kv_cache.shape[2:])
-        if (
-            self._workspace.numel() < numel
-            or self._workspace.dtype != kv_cache.dtype
-            # One made under inference_mode cannot be written outside it.
-            or self._workspace.is_inference() != torch.is_inference_mode_enabled()
-        ):
-            self._workspace = torch.empty(numel, dtype=kv_cache.dtype)
+        self._workspace = workspace_for(self._workspace, kv_cache, num_blocks)
         return self._workspace
+
+
+def workspace_for(workspace: torch.Tensor, kv_cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """A flat buffer for the K/V of `num_blocks` blocks: `workspace` while it is big enough."""
+    numel = 2 * num_blocks * math.prod(kv_cache.shape[2:])
+    if (
+        workspace.numel() < numel
+        or workspace.dtype != kv_cache.dtype
+        # One made under inference_mode cannot be written outside it.
+        or workspace.is_inference() != torch.is_inference_mode_enabled()
+    ):
+        return torch.empty(numel, dtype=kv_cache.dtype)
+    return workspace
 
 
 def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, workspace: torch.Tensor) -> torch.Tensor:
@@ -199,7 +200,7 @@ def _attend_group(
     out.index_copy_(0, group.out_rows, rows)
 
 
-def _attend_prefill(
+def attend_prefill(
     chunk: PrefillChunk,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -240,6 +241,18 @@ def _merge(a: torch.Tensor, a_lse: torch.Tensor, b: torch.Tensor, b_lse: torch.T
 
 def build_plan(meta: AttentionMetadata) -> StepPlan:
     """Split the step into short-query groups and prefill chunks, with their indices."""
+    short, prefills = split_step(meta)
+    groups = [_short_group(meta, members) for members in partition_by_length(meta, short)]
+    return StepPlan(meta, groups, prefills, max_gathered_blocks(groups, prefills))
+
+
+def max_gathered_blocks(groups: list[ShortQueryGroup], prefills: list[PrefillChunk]) -> int:
+    return max([g.block_ids.numel() for g in groups] + [c.block_ids.numel() for c in prefills], default=0)
+
+
+def split_step(meta: AttentionMetadata) -> tuple[list[int], list[PrefillChunk]]:
+    """The sequences with short queries (by index), and the long ones as prefill chunks;
+    sequences without new tokens are in neither."""
     starts = meta.query_start_loc.tolist()
     short: list[int] = []
     prefills: list[PrefillChunk] = []
@@ -254,11 +267,7 @@ def build_plan(meta: AttentionMetadata) -> StepPlan:
         context_len = seq_len - qlen
         num_blocks = -(-context_len // meta.block_size)
         prefills.append(PrefillChunk(starts[i], qlen, context_len, meta.block_tables[i, :num_blocks]))
-    groups = [_short_group(meta, members) for members in partition_by_length(meta, short)]
-    max_blocks = max(
-        [g.block_ids.numel() for g in groups] + [c.block_ids.numel() for c in prefills], default=0
-    )
-    return StepPlan(meta, groups, prefills, max_blocks)
+    return short, prefills
 
 
 def partition_by_length(meta: AttentionMetadata, seqs: list[int]) -> list[list[int]]:

@@ -6,7 +6,13 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass
+def slot_mapping(block_tables, rows, positions, block_size: int):
+    """The cache slot of each token: block_tables[rows[i]] holds the blocks of token i's
+    sequence and positions[i] its position. numpy arrays or torch tensors alike."""
+    return block_tables[rows, positions // block_size] * block_size + positions % block_size
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """One step: `num_seqs` sequences whose new tokens are laid end to end.
 
@@ -14,6 +20,9 @@ class AttentionMetadata:
     tokens sit at positions seq_lens[i] - query_lens[i] ... seq_lens[i] - 1, and
     each attends causally to every earlier position of its own sequence (the
     earlier ones are already in the KV cache, addressed through its block table).
+
+    Frozen: a backend plans a step once per metadata object (see `prepare`), so a
+    step's metadata must never be edited into another step's.
     """
 
     query_start_loc: torch.Tensor  # int64 [num_seqs + 1]
@@ -43,7 +52,7 @@ class AttentionMetadata:
             query_start_loc=query_start_loc,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
             block_tables=tables,
-            slot_mapping=tables[rows, positions // block_size] * block_size + positions % block_size,
+            slot_mapping=slot_mapping(tables, rows, positions, block_size),
             query_lens_cpu=list(query_lens),
             seq_lens_cpu=list(seq_lens),
             block_size=block_size,

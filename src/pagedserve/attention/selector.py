@@ -3,12 +3,20 @@ from __future__ import annotations
 
 from .backend import AttentionBackend, ReferenceBackend
 from .cpu_backend import CpuPagedAttention
+from .native_backend import NativePagedAttention
 
 _BACKENDS: dict[str, type] = {
     CpuPagedAttention.name: CpuPagedAttention,
+    NativePagedAttention.name: NativePagedAttention,
     ReferenceBackend.name: ReferenceBackend,
 }
 DEFAULT_BACKEND = CpuPagedAttention.name
+
+
+def default_backend_name(kernels: str) -> str:
+    """The backend for a resolved kernel path ("native" or "torch"): the native one
+    needs pagedserve's op library, which "native" means is loaded."""
+    return NativePagedAttention.name if kernels == "native" else DEFAULT_BACKEND
 
 
 def backend_names() -> list[str]:
@@ -16,7 +24,7 @@ def backend_names() -> list[str]:
 
 
 def get_backend(name: str | None = None) -> AttentionBackend:
-    """A new backend instance; `None` picks the default (the fast CPU one)."""
+    """A new backend instance; `None` picks the pure-torch default (the fast CPU one)."""
     key = DEFAULT_BACKEND if name is None else name
     if key not in _BACKENDS:
         raise ValueError(f"attention backend must be one of {backend_names()}, got {name!r}")

@@ -8,7 +8,7 @@ import json
 import math
 
 from ..core.config import POLICIES
-from .datasets import add_dataset_args, dataset_from_args
+from ..workload.datasets import add_dataset_args, dataset_from_args
 
 
 def _percentiles(value: str) -> list[float]:

@@ -16,8 +16,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..sim.metrics import RequestRecord, summarize
-from .datasets import BenchRequest
+from ..workload.datasets import BenchRequest
+from ..workload.metrics import RequestRecord, summarize
 from .serve import send_offsets
 
 BASELINES = ("hf", "hf-static")

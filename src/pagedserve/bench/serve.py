@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 import aiohttp
 from tqdm.auto import tqdm
 
-from ..sim.metrics import SLO, RequestRecord, summarize
-from .datasets import BenchRequest
+from ..workload.datasets import BenchRequest
+from ..workload.metrics import SLO, RequestRecord, summarize
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 GOODPUT_KEYS = ("ttft", "tpot", "e2el")

@@ -6,9 +6,11 @@ queue is least-recently-freed first: eviction takes from the front.
 """
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from operator import attrgetter
 
 
 @dataclass(slots=True, eq=False)
@@ -17,6 +19,10 @@ class Block:
     ref_cnt: int = 0
     # Set only while the block is registered in the prefix-cache index.
     block_hash: bytes | None = None
+
+
+BLOCK_ID = attrgetter("block_id")
+_REF_CNT = attrgetter("ref_cnt")
 
 
 class BlockPool:
@@ -39,6 +45,16 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         return len(self._cached)
+
+    # The two array views below iterate in C (map + attrgetter), so a watcher of the
+    # pool pays no Python bytecode per block.
+    def ref_counts(self) -> array:
+        """Every block's reference count, indexed by block id (array of C int)."""
+        return array("i", map(_REF_CNT, self.blocks))
+
+    def cached_block_ids(self) -> array:
+        """Ids of the blocks indexed in the prefix cache, in use or free."""
+        return array("i", map(BLOCK_ID, self._cached.values()))
 
     def take(self, count: int) -> list[Block]:
         """Hand out `count` blocks from the front of the free queue, evicting their hashes.

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .validation import is_int
+
 POLICIES = ("chunked", "continuous", "static", "naive")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 MAX_BLOCK_SIZE = 1024
@@ -20,9 +22,14 @@ def whole_prompt_budget(max_model_len: int, max_num_seqs: int) -> int:
     return max(max_model_len, MIN_WHOLE_PROMPT_BUDGET, max_num_seqs)
 
 
+def chunks_prefill(policy: str, enable_chunked_prefill: bool) -> bool:
+    """Whether prompts are split across steps: only the chunked policy does, and only
+    while the vLLM flag leaves chunking on."""
+    return policy == "chunked" and enable_chunked_prefill
+
+
 def _positive_int(name: str, value: object) -> None:
-    # bool is an int subclass; True as a size is always a caller bug.
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
@@ -84,7 +91,7 @@ class SchedulerConfig:
             _positive_int("max_model_len", self.max_model_len)
         _flag("enable_chunked_prefill", self.enable_chunked_prefill)
         threshold = self.long_prefill_token_threshold
-        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+        if not is_int(threshold) or threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0 = off), got {threshold!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
@@ -95,4 +102,4 @@ class SchedulerConfig:
 
     @property
     def chunked_prefill(self) -> bool:
-        return self.policy == "chunked" and self.enable_chunked_prefill
+        return chunks_prefill(self.policy, self.enable_chunked_prefill)

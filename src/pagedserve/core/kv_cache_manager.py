@@ -8,11 +8,12 @@ ceil(stored tokens / block_size) blocks, so only its last block can be partial.
 """
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from dataclasses import dataclass
 
 from .block_hash import extend_block_hashes
-from .block_pool import Block, BlockPool
+from .block_pool import BLOCK_ID, Block, BlockPool
 from .config import CacheConfig
 from .request import Request
 
@@ -96,11 +97,16 @@ class KVCacheManager:
         row = self._rows.get(request.request_id)
         return tuple(b.block_id for b in row.blocks) if row is not None else ()
 
+    def block_tables(self) -> dict[str, tuple[array, int]]:
+        """Every table as (block ids as an array of C int, stored tokens), by request id;
+        built in C per table, for observers of the whole pool."""
+        return {rid: (array("i", map(BLOCK_ID, row.blocks)), row.num_stored_tokens) for rid, row in self._rows.items()}
+
     def find_prefix_hit(self, request: Request) -> PrefixHit:
         """The longest run of leading full blocks already in the cache, for a request
         that holds no blocks. Capped below num_tokens so at least one token is computed
         (its logits give the next token). No side effects beyond hashing the request."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.skip_prefix_cache:
             return NO_HIT
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs

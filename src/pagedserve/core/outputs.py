@@ -43,6 +43,28 @@ class ScheduledRequest:
     # returns the accepted drafts plus one token of the target's own.
     draft_token_ids: tuple[int, ...] = ()
 
+    @property
+    def is_decode(self) -> bool:
+        """The row computes its request's latest sample (and any drafts after it), as
+        opposed to prompt tokens. Read it before update() appends this step's tokens."""
+        return self.start == len(self.request.all_token_ids) - 1
+
+    @classmethod
+    def with_table(cls, request: Request, num_new_tokens: int, start: int, table: tuple[int, ...],
+                   num_samples: int, *, drafts: tuple[int, ...] = (), is_padding: bool = False) -> ScheduledRequest:
+        """A row the runner builds from scratch (new, resumed or freshly forked): its whole table."""
+        return cls(request, request.request_id, num_new_tokens, start, True, table, table, num_samples,
+                   is_padding, drafts)
+
+    @classmethod
+    def with_new_blocks(cls, request: Request, num_new_tokens: int, start: int, new_block_ids: tuple[int, ...],
+                        num_samples: int, *, table: tuple[int, ...] | None = None, drafts: tuple[int, ...] = (),
+                        is_padding: bool = False) -> ScheduledRequest:
+        """A row the runner already holds: the blocks it gained, and its whole `table`
+        when an existing entry changed (copy-on-write, or blocks given back)."""
+        return cls(request, request.request_id, num_new_tokens, start, False, new_block_ids, table, num_samples,
+                   is_padding, drafts)
+
 
 @dataclass(slots=True)
 class SchedulerOutput:

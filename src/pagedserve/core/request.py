@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from .validation import is_int, require_int
 
 CHILD_ID_SEPARATOR = "#"
 
@@ -38,9 +40,11 @@ _FINISH_REASONS = {
 }
 
 
-def _require_int(name: str, value: object, lo: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+class SampleState(Protocol):
+    """How a request samples (the engine's SamplingState). Core never looks inside;
+    it only asks, at a parallel-sampling fork, for the state of sample `index`."""
+
+    def for_child(self, index: int) -> SampleState: ...
 
 
 @dataclass(slots=True, eq=False, repr=False)
@@ -59,8 +63,10 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     cache_salt: str | None = None
-    # The engine's SamplingParams (or sampler state); core never looks inside.
-    sampling: Any = None
+    # Compute the whole prompt even when the prefix cache holds some of it (prompt
+    # logprobs need the logits of every prompt position; cached blocks have none).
+    skip_prefix_cache: bool = False
+    sampling: SampleState | None = None
     parent_id: str | None = None
     index: int = 0
 
@@ -79,7 +85,7 @@ class Request:
     # True until a parallel-sampling parent has forked its n - 1 children.
     fork_pending: bool = field(init=False)
     # Speculative decoding: tokens a proposer suggests to follow all_token_ids, set
-    # between steps by the engine and consumed by the next schedule().
+    # between steps by Scheduler.update_draft_token_ids and consumed by the next schedule().
     spec_token_ids: list[int] = field(init=False)
     # Draft tokens computed this step and not yet verified: counted in
     # num_computed_tokens until update() keeps the accepted ones and rolls back the rest.
@@ -91,15 +97,15 @@ class Request:
         self.prompt_token_ids = list(self.prompt_token_ids)
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: prompt_token_ids must hold at least one token")
-        _require_int("max_tokens", self.max_tokens, 1)
-        _require_int("min_tokens", self.min_tokens, 0)
+        require_int("max_tokens", self.max_tokens, 1)
+        require_int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        _require_int("n", self.n, 1)
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+        require_int("n", self.n, 1)
+        if not is_int(self.priority):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
         if self.eos_token_id is not None:
-            _require_int("eos_token_id", self.eos_token_id, 0)
+            require_int("eos_token_id", self.eos_token_id, 0)
         self.stop_token_ids = frozenset(self.stop_token_ids)
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError(f"cache_salt must be a string or None, got {self.cache_salt!r}")
@@ -130,6 +136,17 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def is_decode(self) -> bool:
+        """Only the last token (the latest sample) is left to compute."""
+        return len(self.all_token_ids) - self.num_computed_tokens == 1
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Speculative tokens a step may verify for this request: as many as its
+        remaining output can hold beside the target's own token (<= 0: none)."""
+        return self.max_tokens - len(self.output_token_ids) - 1
 
     @property
     def num_verified_tokens(self) -> int:
@@ -164,18 +181,11 @@ class Request:
         It inherits only the hashes of blocks that lie wholly inside the shared,
         computed prefix; later blocks will hold its own tokens.
         """
-        child = Request(
+        child = replace(
+            self,
             request_id=f"{self.request_id}{CHILD_ID_SEPARATOR}{index}",
-            prompt_token_ids=self.prompt_token_ids,
-            max_tokens=self.max_tokens,
-            arrival_time=self.arrival_time,
-            priority=self.priority,
-            min_tokens=self.min_tokens,
-            eos_token_id=self.eos_token_id,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            cache_salt=self.cache_salt,
-            sampling=self.sampling,
+            n=1,
+            sampling=self.sampling.for_child(index) if self.sampling is not None else None,
             parent_id=self.request_id,
             index=index,
         )

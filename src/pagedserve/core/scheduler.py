@@ -38,6 +38,7 @@ from .outputs import RequestUpdate, ScheduledRequest, SchedulerOutput, Scheduler
 from .policies import make_policy
 from .request import CHILD_ID_SEPARATOR, Request, RequestStatus
 from .request_queue import make_waiting_queue
+from .step_budget import StepBudget
 
 RUNNING = RequestStatus.RUNNING
 ABORTED = RequestStatus.FINISHED_ABORTED
@@ -46,10 +47,12 @@ ABORTED = RequestStatus.FINISHED_ABORTED
 class _Step:
     """The step being built: its rows in order, the budget left, who was preempted."""
 
-    __slots__ = ("budget", "num_tokens", "rows", "index", "copies", "preempted")
+    __slots__ = ("budget", "num_tokens", "rows", "index", "copies", "preempted", "decodes_left")
 
     def __init__(self, budget: int):
         self.budget = budget
+        # Running decodes not placed yet: each needs one token of the budget.
+        self.decodes_left = 0
         self.num_tokens = 0
         self.rows: list[ScheduledRequest | None] = []
         self.index: dict[str, int] = {}
@@ -94,8 +97,17 @@ class _Step:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 step_budget: StepBudget | None = None):
+        """`step_budget`: choose each step's budget from a latency target (chunked policy
+        only); None keeps the fixed max_num_batched_tokens."""
         self.config = scheduler_config
+        if step_budget is not None and not scheduler_config.chunked_prefill:
+            raise ValueError("a latency target needs chunked prefill (policy 'chunked', enable_chunked_prefill)")
+        if step_budget is not None and step_budget.cap > scheduler_config.max_num_batched_tokens:
+            raise ValueError(f"the latency target's cap ({step_budget.cap}) must not exceed max_num_batched_tokens "
+                             f"({scheduler_config.max_num_batched_tokens})")
+        self.step_budget = step_budget
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.kv_cache = KVCacheManager(cache_config)
@@ -149,7 +161,7 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        step = _Step(self.config.max_num_batched_tokens)
+        step = _Step(self._budget())
         if self._wants_prefill_step():
             self._schedule_waiting(step)
         if step.is_empty:
@@ -159,6 +171,19 @@ class Scheduler:
         self.policy.end_step()
         released, self._released_ids = self._released_ids, []
         return step.build(released)
+
+    def _budget(self) -> int:
+        if self.step_budget is None:
+            return self.config.max_num_batched_tokens
+        rows = context = 0
+        prefill_context = None
+        for r in self.running:
+            if r.is_decode:
+                rows += 1
+                context += r.num_computed_tokens
+            elif prefill_context is None:
+                prefill_context = r.num_computed_tokens
+        return self.step_budget.budget(rows, context, prefill_context or 0)
 
     def _wants_prefill_step(self) -> bool:
         """Whole-prompt policies: is the next prompt too long to sit beside the decodes?"""
@@ -174,62 +199,25 @@ class Scheduler:
         decodes: list[Request] = []
         prefills: list[Request] = []
         for r in self.running:
-            (decodes if len(r.all_token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
-        prefill_tokens = self.policy.prefill.num_tokens
-        padding = self.padding
-        unsynced = self._unsynced
-        kv = self.kv_cache
-        allocate = kv.allocate_slots
-        bs = self.block_size
+            (decodes if r.is_decode else prefills).append(r)
+        step.decodes_left = len(decodes)
         # Rows that fill a block: indexed only once the step's rows are final, since a
         # row can still be taken back (its request preempted) while later rows are
         # placed, and an indexed block must not outlive a computation that never ran.
         filling: list[ScheduledRequest] = []
-        decodes_left = len(decodes)
-        for req in (*decodes, *padding.values(), *prefills):
+        bs = self.block_size
+        for req in (*decodes, *self.padding.values(), *prefills):
             start = req.num_computed_tokens
-            drafts: tuple[int, ...] = ()
-            if req.status is RUNNING:
-                is_padding = False
-                remaining = len(req.all_token_ids) - start
-                if remaining == 1:
-                    n = 1
-                    decodes_left -= 1
-                    if req.spec_token_ids:
-                        # Drafts only from budget no later decode needs for its own token.
-                        drafts = self._take_drafts(req, step.budget - 1 - decodes_left)
-                        n += len(drafts)
-                else:
-                    n = prefill_tokens(remaining, step.budget, False)
-            elif req.request_id in padding:
-                is_padding = True
-                n = 1
-            else:
-                continue  # preempted, or released to free blocks, earlier in this step
-            if n == 0 or n > step.budget:
+            size = self._row_size(req, step)
+            if size is None:
                 continue
-            alloc = allocate(req, n)
-            if alloc is None and drafts:
-                # Speculation never costs another request its blocks: drop the drafts.
-                drafts, n = (), 1
-                alloc = allocate(req, n)
-            if alloc is None:
-                alloc = self._make_room(req, n, step, None, may_preempt=True)
-                if alloc is None:
-                    continue
-            rid = req.request_id
-            num_samples = 0 if is_padding else (1 + len(drafts) if drafts else self._num_samples(req, start, n))
-            if rid in unsynced:
-                unsynced.discard(rid)
-                table = kv.block_ids(req)
-                row = ScheduledRequest(req, rid, n, start, True, table, table, num_samples, is_padding, drafts)
-            else:
-                table = kv.block_ids(req) if alloc.copies or rid in self._truncated else None
-                self._truncated.discard(rid)
-                row = ScheduledRequest(req, rid, n, start, False, alloc.new_block_ids, table, num_samples,
-                                       is_padding, drafts)
+            placed = self._allocate_row(req, *size, step)
+            if placed is None:
+                continue
+            n, drafts, alloc = placed
+            row = self._build_row(req, start, n, drafts, alloc)
             step.add(row, alloc.copies)
-            if not is_padding:
+            if not row.is_padding:
                 # A preempted request restarts from 0, so advancing now is safe.
                 req.num_computed_tokens = start + n
                 req.num_unverified_tokens = len(drafts)
@@ -237,7 +225,58 @@ class Scheduler:
                     filling.append(row)
         for row in filling:
             if row.request_id in step.index:
-                kv.cache_blocks(row.request, row.request.num_verified_tokens)
+                self.kv_cache.cache_blocks(row.request, row.request.num_verified_tokens)
+
+    def _row_size(self, req: Request, step: _Step) -> tuple[int, tuple[int, ...]] | None:
+        """Tokens the request computes this step and the drafts among them; None when it
+        has no row (preempted or released earlier in this step, or nothing fits)."""
+        drafts: tuple[int, ...] = ()
+        if req.status is RUNNING:
+            if req.is_decode:
+                step.decodes_left -= 1
+                if req.spec_token_ids:
+                    # Drafts only from budget no later decode needs for its own token.
+                    drafts = self._take_drafts(req, step.budget - 1 - step.decodes_left)
+                n = 1 + len(drafts)
+            else:
+                n = self.policy.prefill.num_tokens(req.num_tokens - req.num_computed_tokens, step.budget, False)
+        elif req.request_id in self.padding:
+            n = 1
+        else:
+            return None
+        if n == 0 or n > step.budget:
+            return None
+        return n, drafts
+
+    def _allocate_row(self, req: Request, n: int, drafts: tuple[int, ...],
+                      step: _Step) -> tuple[int, tuple[int, ...], Allocation] | None:
+        """KV slots for the row, making room if the pool is dry; the row's final size
+        (drafts may be dropped) and its allocation, or None if it cannot run."""
+        alloc = self.kv_cache.allocate_slots(req, n)
+        if alloc is None and drafts:
+            # Speculation never costs another request its blocks: drop the drafts.
+            drafts, n = (), 1
+            alloc = self.kv_cache.allocate_slots(req, n)
+        if alloc is None:
+            alloc = self._make_room(req, n, step, None, may_preempt=True)
+            if alloc is None:
+                return None
+        return n, drafts, alloc
+
+    def _build_row(self, req: Request, start: int, n: int, drafts: tuple[int, ...],
+                   alloc: Allocation) -> ScheduledRequest:
+        """The row, with the whole block table when the runner's copy is stale."""
+        rid = req.request_id
+        is_padding = req.status is not RUNNING
+        num_samples = 0 if is_padding else (1 + len(drafts) if drafts else self._num_samples(req, start, n))
+        if rid in self._unsynced:
+            self._unsynced.discard(rid)
+            return ScheduledRequest.with_table(req, n, start, self.kv_cache.block_ids(req), num_samples,
+                                               drafts=drafts, is_padding=is_padding)
+        table = self.kv_cache.block_ids(req) if alloc.copies or rid in self._truncated else None
+        self._truncated.discard(rid)
+        return ScheduledRequest.with_new_blocks(req, n, start, alloc.new_block_ids, num_samples, table=table,
+                                                drafts=drafts, is_padding=is_padding)
 
     def _schedule_waiting(self, step: _Step) -> None:
         prefill_tokens = self.policy.prefill.num_tokens
@@ -265,8 +304,8 @@ class Scheduler:
         self.policy.on_admitted(req)
         start = hit.num_tokens
         self.kv_cache.cache_blocks(req, start + n)
-        table = self.kv_cache.block_ids(req)
-        step.add(ScheduledRequest(req, req.request_id, n, start, True, table, table, self._num_samples(req, start, n)), ())
+        step.add(ScheduledRequest.with_table(req, n, start, self.kv_cache.block_ids(req),
+                                             self._num_samples(req, start, n)), ())
         req.num_computed_tokens = start + n
 
     @staticmethod
@@ -274,7 +313,7 @@ class Scheduler:
         """Consume the request's proposals: as many as the budget `room` allows and no
         more than its remaining output can hold beside the target's own token."""
         proposals, req.spec_token_ids = req.spec_token_ids, []
-        k = min(len(proposals), room, req.max_tokens - req.num_output_tokens - 1)
+        k = min(len(proposals), room, req.max_draft_tokens)
         return tuple(proposals[:k]) if k > 0 else ()
 
     @staticmethod
@@ -320,6 +359,14 @@ class Scheduler:
         self.waiting.prepend(victim)
         self.policy.on_preempted(victim)
         step.preempted.append(victim.request_id)
+
+    def update_draft_token_ids(self, drafts: Mapping[str, list[int]]) -> None:
+        """Proposals for the next step (request id -> tokens to follow its last one),
+        from the runner between steps; ids no longer running are ignored."""
+        for rid, tokens in drafts.items():
+            req = self.requests.get(rid)
+            if req is not None and req.status is RUNNING:
+                req.spec_token_ids = tokens
 
     # -- results in ----------------------------------------------------------------------
 
@@ -474,6 +521,10 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.padding or len(self.waiting))
+
+    def has_pending_prefills(self) -> bool:
+        """Whether any prompt, waiting or running, still has tokens to compute."""
+        return bool(len(self.waiting)) or not all(r.is_decode for r in self.running)
 
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache

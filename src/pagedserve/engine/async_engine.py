@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 from ..outputs import RequestMetrics, RequestOutput, TokenLogprobs
 from ..sampling_params import SamplingParams
+from ..spec_decode.metrics import SpecDecodeStats
+from .dashboard_feed import DashboardFeed
 from .llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,11 @@ STALL_SECONDS = 60.0
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped (it crashed or was shut down); no request can finish."""
+
+
+class EngineCrashedError(EngineDeadError):
+    """The engine thread raised: the requests it held failed with it (a server error, not
+    a shutdown)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +73,8 @@ class RequestDelta:
     finished: bool  # every sample of the request is done
     time: float  # time.monotonic() at the end of the step
     metrics: RequestMetrics | None  # a copy, on a request's last delta (None after an abort)
+    # With prompt_logprobs: one entry per prompt token (None for the first), on the first delta.
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +89,16 @@ class EngineSnapshot:
     prefix_cache_hits: int = 0
     num_adds_processed: int = 0
     busy: bool = False
-    # Speculative decoding counters (engine.stats()'s spec_* entries); None when off.
-    spec_decode: dict | None = None
+    # Speculative decoding counters (a copy); None when off.
+    spec_decode: SpecDecodeStats | None = None
+    # Which kernel path runs ("native" or "torch"; "" before the first snapshot).
+    kernels: str = ""
     time: float = field(default_factory=time.monotonic)
+
+
+# The snapshot's fields that are SchedulerStats fields of the same name.
+_SCHEDULER_FIELDS = ("num_running", "num_waiting", "kv_usage", "num_preemptions", "prefix_cache_queries",
+                     "prefix_cache_hits")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +132,16 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """Run `fn(engine)` on the engine thread, between steps."""
+
+    fn: Callable[[LLMEngine], None]
+
+
 _STOP = object()
+# Build a dashboard frame after this iteration.
+_FRAME = object()
 
 
 @dataclass(slots=True)
@@ -125,6 +150,7 @@ class _Live:
 
     n: int
     finished: set[int] = field(default_factory=set)
+    sent_prompt_logprobs: bool = False
 
 
 # -- loop-side bookkeeping ----------------------------------------------------------------
@@ -193,11 +219,13 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, on_step: Callable[[StepStats], None] | None = None):
         self.engine = engine
-        self._on_step = on_step
+        self._step_listeners: list[Callable[[StepStats], None]] = [on_step] if on_step is not None else []
+        self._feed: DashboardFeed | None = None
+        self._on_frame: Callable[[dict], None] | None = None
         # Constants read before the thread starts; afterwards only the thread touches the engine.
         self.vocab_size: int = engine.loaded.config.vocab_size
-        stats = engine.stats()
-        self.kv_capacity_tokens: int = stats["kv_total_blocks"] * engine.config.block_size
+        stats = engine.engine_stats().scheduler
+        self.kv_capacity_tokens: int = stats.kv_total_blocks * engine.config.block_size
         # What one sequence can actually reach: the context limit, or the whole KV pool
         # if that is smaller (the engine rejects a request that could never fit).
         self.max_context_len: int = min(engine.max_model_len, self.kv_capacity_tokens)
@@ -209,7 +237,33 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._closing = False
         self._refusing = False
-        self.snapshot = EngineSnapshot(kv_usage=stats["kv_usage"])
+        self.snapshot = EngineSnapshot(kv_usage=stats.kv_usage, kernels=engine.kernels)
+        # Called on the event loop once the thread has crashed and its requests have failed;
+        # the server uses it to exit non-zero rather than stay up unable to serve.
+        self.on_crash: Callable[[BaseException], None] | None = None
+
+    def add_step_listener(self, listener: Callable[[StepStats], None]) -> None:
+        """Call `listener` on the event loop after each delivery, like `on_step`."""
+        self._step_listeners.append(listener)
+
+    def attach_feed(self, feed: DashboardFeed, on_frame: Callable[[dict], None]) -> None:
+        """Before start(): let `feed` watch the engine thread; frames asked for with
+        request_frame() reach `on_frame` on the event loop."""
+        self._feed = feed
+        self._on_frame = on_frame
+
+    def call_on_thread(self, fn: Callable[[LLMEngine], None]) -> None:
+        """Run `fn(engine)` on the engine thread before its next step (settings that
+        must not change mid-step)."""
+        if self._closing:
+            raise EngineDeadError("the server is shutting down")
+        self._commands.put(_Call(fn))
+
+    def request_frame(self) -> None:
+        """Ask the engine thread for a dashboard frame after its current iteration
+        (it wakes up for it when idle). No frame comes if nothing changed."""
+        if self._feed is not None and not self._closing:
+            self._commands.put(_FRAME)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -304,8 +358,9 @@ class AsyncEngine:
                 entry.stream._put(delta)
             if delta.finished:
                 del self._entries[delta.request_id]
-        if self._on_step is not None and deltas:
-            self._on_step(stats)
+        if deltas:
+            for listener in self._step_listeners:
+                listener(stats)
 
     @staticmethod
     def _account(entry: _Entry, delta: RequestDelta, stats: StepStats) -> None:
@@ -342,12 +397,15 @@ class AsyncEngine:
 
     def _on_thread_crash(self, error: BaseException) -> None:
         self._error = error
-        self._fail_all(EngineDeadError("the engine stopped after an internal error"))
+        self._fail_all(EngineCrashedError("the engine stopped after an internal error"))
+        if self.on_crash is not None:
+            self.on_crash(error)
 
     # -- the engine thread ------------------------------------------------------------------
 
     def _thread_main(self) -> None:
         engine = self.engine
+        feed = self._feed
         live: dict[str, _Live] = {}
         num_adds = 0
         try:
@@ -361,12 +419,17 @@ class AsyncEngine:
                         break
                 acks: list[tuple[str, Exception | None]] = []
                 deltas: list[RequestDelta] = []
+                frame_due = False
                 for command in commands:
                     if command is _STOP:
                         for request_id in live:
                             engine.abort(request_id)
                         return
-                    if isinstance(command, _Add):
+                    if command is _FRAME:
+                        frame_due = True
+                    elif isinstance(command, _Call):
+                        command.fn(engine)
+                    elif isinstance(command, _Add):
                         num_adds += 1
                         acks.append(self._thread_add(command.request, live))
                     else:
@@ -374,12 +437,22 @@ class AsyncEngine:
                         if aborted is not None:
                             deltas.append(aborted)
                 if engine.has_unfinished_requests():
-                    outputs = engine.step()
+                    # Unwatched, the dashboard costs this one flag read per step.
+                    if feed is not None and feed.watched:
+                        started = time.perf_counter()
+                        outputs = engine.step()
+                        feed.record_step(engine, time.perf_counter() - started)
+                    else:
+                        outputs = engine.step()
                     now = time.monotonic()
                     deltas.extend(_delta(out, live, now) for out in outputs)
                 self.snapshot = _snapshot(engine, num_adds)
                 if acks or deltas:
                     self._loop.call_soon_threadsafe(self._deliver, acks, deltas)
+                if frame_due:
+                    frame = feed.build_frame(engine)
+                    if frame is not None:
+                        self._loop.call_soon_threadsafe(self._on_frame, frame)
         except BaseException as error:  # a bug: the server must report it, not hang
             logger.exception("engine thread crashed")
             self._loop.call_soon_threadsafe(self._on_thread_crash, error)
@@ -427,23 +500,24 @@ def _delta(out: RequestOutput, live: dict[str, _Live], now: float) -> RequestDel
             c.index, c.delta_text, tuple(c.delta_token_ids), logprobs,
             c.finish_reason if ends_now else None, c.stop_reason if ends_now else None,
         ))
+    prompt_logprobs = None
+    if out.prompt_logprobs is not None and not state.sent_prompt_logprobs:
+        # Complete once the request has an output; its entries are never changed in place.
+        prompt_logprobs = tuple(out.prompt_logprobs)
+        state.sent_prompt_logprobs = True
     metrics = None
     if out.finished:
         del live[out.request_id]
         metrics = dataclasses.replace(out.metrics)
-    return RequestDelta(out.request_id, tuple(samples), out.finished, now, metrics)
+    return RequestDelta(out.request_id, tuple(samples), out.finished, now, metrics, prompt_logprobs)
 
 
 def _snapshot(engine: LLMEngine, num_adds: int) -> EngineSnapshot:
-    s = engine.stats()
+    stats = engine.engine_stats()
     return EngineSnapshot(
-        num_running=s["num_running"],
-        num_waiting=s["num_waiting"],
-        kv_usage=s["kv_usage"],
-        num_preemptions=s["num_preemptions"],
-        prefix_cache_queries=s["prefix_cache_queries"],
-        prefix_cache_hits=s["prefix_cache_hits"],
+        **{name: getattr(stats.scheduler, name) for name in _SCHEDULER_FIELDS},
         num_adds_processed=num_adds,
         busy=engine.has_unfinished_requests(),
-        spec_decode={k: v for k, v in s.items() if k.startswith("spec_")} or None,
+        spec_decode=stats.spec_decode,
+        kernels=stats.kernels,
     )

@@ -9,48 +9,51 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from ..attention.selector import default_backend_name
 from ..config import EngineConfig, default_kv_cache_memory, default_num_threads
-from ..core.config import CacheConfig, SchedulerConfig
+from ..core.kv_plan import KVCachePlan, plan_kv_cache
+from ..core.outputs import SchedulerOutput, SchedulerStats
 from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler
+from ..core.step_budget import StepBudget
+from ..kernels import resolve_kernels
+from ..model.config import ModelConfig
 from ..model.loader import LoadedModel, load_model
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
-from ..sampling_params import SamplingParams, child_seed
-from ..spec_decode.config import SpeculativeConfig
-from ..spec_decode.draft_model import DraftModelProposer, scratch_blocks_per_seq
+from ..sampling_params import SamplingParams
+from ..sampling_state import SamplingState
 from ..spec_decode.metrics import SpecDecodeStats
-from ..spec_decode.ngram import NgramProposer
 from ..structured_output.backend import Matcher
 from ..structured_output.manager import StructuredOutputManager
-from ..worker.model_runner import ModelRunner, RunnerOutput, allocate_kv_caches
+from ..worker.draft_model import draft_kv, load_draft
+from ..worker.model_runner import ModelRunner, RunnerOutput
+from ..worker.sampler import LogprobsTensors
 from .detokenizer import IncrementalDetokenizer
+from .step_timing import step_time_model
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class SamplingState:
-    """Stored in core's opaque `Request.sampling`: what the runner needs to sample a row."""
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine's counters at one moment, typed from the scheduler to /metrics."""
 
-    params: SamplingParams
-    # A seeded random sample draws output token t from token_seed(seed, t); None otherwise.
-    seed: int | None
-    # At a parallel-sampling fork, sample i has seed fork_seeds[i].
-    fork_seeds: list[int | None] = field(default_factory=list)
-    # The grammar matcher of a structured-output request (None otherwise); at a fork,
-    # sample i advances fork_matchers[i].
-    matcher: Matcher | None = None
-    fork_matchers: list[Matcher | None] = field(default_factory=list)
+    scheduler: SchedulerStats
+    # Which kernel path runs ("native" or "torch").
+    kernels: str
+    # A copy of the acceptance counters; None without speculative decoding.
+    spec_decode: SpecDecodeStats | None = None
 
-
-def _seeds(params: SamplingParams) -> list[int | None]:
-    if params.seed is None or params.is_greedy:
-        return [None] * params.n
-    return [child_seed(params.seed, i) for i in range(params.n)]
+    def as_dict(self) -> dict:
+        """`LLMEngine.stats()`: the scheduler's fields by name, the kernels, then the spec_* entries."""
+        s = self.scheduler
+        return {**{f.name: getattr(s, f.name) for f in fields(s)}, "kernels": self.kernels,
+                **(self.spec_decode.as_dict() if self.spec_decode is not None else {})}
 
 
 @dataclass
@@ -70,10 +73,23 @@ class _Tracked:
     metrics: RequestMetrics
     sequences: dict[int, _Sequence] = field(default_factory=dict)
     num_finished: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # filled by position as prefill runs
 
     @property
     def finished(self) -> bool:
         return self.num_finished == self.params.n
+
+
+def _plan_kv_cache(config: EngineConfig, target: ModelConfig, draft: LoadedModel | None) -> KVCachePlan:
+    """The pool that --kv-cache-memory holds beside the draft's scratch; ValueError if not one block."""
+    memory = config.kv_cache_memory or default_kv_cache_memory()
+    spec = config.speculative_config
+    plan = plan_kv_cache(memory, config.block_size, target.kv_bytes_per_token(),
+                         draft_kv(spec, draft.config, target, config.max_num_seqs) if draft is not None else None)
+    if plan.num_blocks < 1:
+        raise ValueError(f"kv_cache_memory ({memory} bytes) is below one KV block ({plan.bytes_per_block} bytes)"
+                         + (f" plus {plan.scratch_bytes} bytes of draft scratch" if plan.scratch_bytes else ""))
+    return plan
 
 
 class LLMEngine:
@@ -82,105 +98,51 @@ class LLMEngine:
         torch.set_num_threads(config.num_threads or default_num_threads())
         torch.manual_seed(config.seed)
         start = time.perf_counter()
-        self.loaded = loaded or load_model(config.model)
+        self.loaded = loaded or load_model(config.model, quantization=config.quantization)
         self.tokenizer = self.loaded.tokenizer
+        self.kernels = resolve_kernels(config.kernels)
+        self.loaded.model.set_kernels(self.kernels)
         mc = self.loaded.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-
         spec = config.speculative_config
-        draft = self._load_draft(spec)
-        kv_memory = config.kv_cache_memory or default_kv_cache_memory()
-        bytes_per_block = mc.kv_bytes_per_token() * config.block_size
-        self_layers = spec.self_draft_layers if spec is not None else None
-        separate_draft = draft is not None and self_layers is None
-        if separate_draft:
-            bytes_per_block += draft.config.kv_bytes_per_token() * config.block_size
-        # A draft model writes unverified positions into runner-private scratch blocks
-        # of the layers it runs: the target's first N (self-draft) or its own.
-        num_scratch, scratch_bytes = 0, 0
-        if draft is not None:
-            drafting_seqs = min(config.max_num_seqs, spec.disable_by_batch_size or config.max_num_seqs)
-            num_scratch = drafting_seqs * scratch_blocks_per_seq(config.block_size, spec.num_speculative_tokens)
-            draft_kv = draft.config.kv_bytes_per_token()
-            if self_layers is not None:
-                draft_kv = draft_kv * self_layers // mc.num_layers
-            scratch_bytes = num_scratch * draft_kv * config.block_size
-        num_blocks = (kv_memory - scratch_bytes) // bytes_per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory ({kv_memory} bytes) is below one KV block ({bytes_per_block} bytes)"
-                             + (f" plus {scratch_bytes} bytes of draft scratch" if scratch_bytes else ""))
-        budget = config.effective_max_num_batched_tokens(self.max_model_len)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_batched_tokens=budget,
-                max_num_seqs=config.max_num_seqs,
-                max_model_len=self.max_model_len,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                long_prefill_token_threshold=config.long_prefill_token_threshold,
-                scheduling_policy=config.scheduling_policy,
-                policy=config.policy,
-            ),
-            CacheConfig(
-                num_blocks=num_blocks,
-                block_size=config.block_size,
-                enable_prefix_caching=config.enable_prefix_caching,
-            ),
-        )
+        draft = load_draft(self.loaded, spec, self.kernels)
+        plan = _plan_kv_cache(config, mc, draft)
+        sched_config = config.scheduler_config(self.max_model_len)
+        self.scheduler = Scheduler(sched_config, config.cache_config(plan.num_blocks),
+                                   self._step_budget(sched_config.max_num_batched_tokens))
         self.runner = ModelRunner(
-            self.loaded.model,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len,
+            self.loaded.model, plan, config.max_num_seqs, self.max_model_len,
             eos_token_ids=tuple(self.tokenizer.stop_token_ids),
-            attention_backend=config.attention_backend,
-            num_scratch_blocks=num_scratch if self_layers is not None else 0,
-            num_scratch_layers=self_layers or 0,
+            attention_backend=config.attention_backend or default_backend_name(self.kernels),
+            speculative=spec, draft=draft.model if draft is not None else None,
         )
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec is not None else None
-        self._propose = None
-        if spec is not None and spec.method == "ngram":
-            self._propose = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                          spec.prompt_lookup_max).propose
-        elif draft is not None:
-            runner = self.runner
-            runner.drafter = DraftModelProposer(
-                draft.model,
-                allocate_kv_caches(draft.model, num_blocks + num_scratch, config.block_size) if separate_draft
-                else runner.kv_caches[:self_layers],
-                runner.block_tables, runner.backend, config.block_size, spec.num_speculative_tokens,
-                scratch_start=num_blocks, max_num_seqs=drafting_seqs, shares_target_cache=not separate_draft,
-            )
-            self._propose = runner.propose_drafts
         self.structured_outputs = StructuredOutputManager(self.tokenizer, mc.vocab_size)
         self._tracked: dict[str, _Tracked] = {}
         self._streamed: list[CompletionOutput] = []  # outputs whose deltas the last step set
         self._ids = itertools.count()
+        # The latest step's schedule, for observers on the engine's thread (the dashboard).
+        self.last_scheduled: SchedulerOutput | None = None
+        # A configured proposer can be paused at run time (the dashboard's playground
+        # compares speeds); outputs are the same either way, only their pace changes.
+        self.speculate = True
         logger.info(
             "model %s ready in %.1f s; KV cache %.2f GiB = %d blocks of %d tokens (%d tokens); "
-            "max_model_len %d; token budget %d per step",
-            self.loaded.name, time.perf_counter() - start, num_blocks * bytes_per_block / 2**30, num_blocks,
-            config.block_size, num_blocks * config.block_size, self.max_model_len, budget,
+            "max_model_len %d; token budget %d per step; %s kernels",
+            self.loaded.name, time.perf_counter() - start, plan.num_blocks * plan.bytes_per_block / 2**30,
+            plan.num_blocks, config.block_size, plan.num_blocks * config.block_size, self.max_model_len,
+            self.scheduler.config.max_num_batched_tokens, self.kernels,
         )
 
-    def _load_draft(self, spec: SpeculativeConfig | None) -> LoadedModel | None:
-        """The draft model: the target itself for "self:N", else a model sharing its tokenizer."""
-        if spec is None or spec.method != "draft_model":
+    def _step_budget(self, cap: int) -> StepBudget | None:
+        """The latency target's per-step budget (None: the fixed max_num_batched_tokens)."""
+        target = self.config.latency_target()
+        if target is None:
             return None
-        layers = spec.self_draft_layers
-        if layers is not None:
-            if layers >= self.loaded.config.num_layers:
-                raise ValueError(f'speculative_config.model "self:{layers}" must use fewer layers than the '
-                                 f"target's {self.loaded.config.num_layers}")
-            return self.loaded
-        draft = load_model(spec.model)
-        probe = "Speculative decoding needs one vocabulary: ¿sí? 123 <|im_end|>"
-        if (draft.config.vocab_size != self.loaded.config.vocab_size
-                or draft.tokenizer.encode(probe) != self.tokenizer.encode(probe)
-                or draft.tokenizer.eos_token_id != self.tokenizer.eos_token_id):
-            raise ValueError(f"speculative_config.model {spec.model!r} does not share the target's tokenizer "
-                             f"(vocab {draft.config.vocab_size} vs {self.loaded.config.vocab_size})")
-        return draft
+        model, source = step_time_model(self.loaded.config)
+        logger.info("latency target itl %s ms, ttft %s ms (cap %d tokens); step times from %s",
+                    self.config.itl_target_ms, self.config.ttft_target_ms, cap, source)
+        return StepBudget(model, target, cap)
 
     # -- requests in -------------------------------------------------------------------
 
@@ -195,8 +157,6 @@ class LLMEngine:
     ) -> str:
         """Validate, tokenize and queue a request; raise ValueError if it can never run."""
         params = params or SamplingParams()
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported by this engine")
         params.validate_for_vocab(self.loaded.config.vocab_size)
         if isinstance(prompt, str):
             prompt_text, prompt_ids = prompt, self.tokenizer.encode(prompt)
@@ -217,7 +177,6 @@ class LLMEngine:
                 raise ValueError(
                     f"prompt ({len(prompt_ids)} tokens) leaves no room to generate within max_model_len ({self.max_model_len})"
                 )
-        seeds = _seeds(params)
         # A parallel-sampling parent forks at its first sample, before its matcher has
         # moved, so n fresh matchers are exactly the copies the fork would make.
         matchers: list[Matcher | None] = (
@@ -236,10 +195,13 @@ class LLMEngine:
             stop_token_ids=frozenset(params.stop_token_ids) | (self.tokenizer.stop_token_ids if not params.ignore_eos else frozenset()),
             ignore_eos=params.ignore_eos,
             cache_salt=cache_salt,
-            sampling=SamplingState(params, seeds[0], seeds, matchers[0], matchers),
+            skip_prefix_cache=params.prompt_logprobs is not None,
+            sampling=SamplingState.for_request(params, matchers),
         )
         self.scheduler.add_request(request)
-        self._tracked[rid] = _Tracked(rid, prompt_text, prompt_ids, params, RequestMetrics(request.arrival_time))
+        self._tracked[rid] = _Tracked(rid, prompt_text, prompt_ids, params, RequestMetrics(request.arrival_time),
+                                      prompt_logprobs=[None] * len(prompt_ids) if params.prompt_logprobs is not None
+                                      else None)
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -259,7 +221,8 @@ class LLMEngine:
         for seq in self._streamed:
             seq.delta_text, seq.delta_token_ids = "", []
         self._streamed = []
-        sched = self.scheduler.schedule()
+        started = time.perf_counter()
+        sched = self.last_scheduled = self.scheduler.schedule()
         now = time.monotonic()
         for row in sched.scheduled:
             if row.is_new:
@@ -268,12 +231,17 @@ class LLMEngine:
                     tracked.metrics.first_scheduled_time = now
         result = self.runner.execute(sched)
         updates = self.scheduler.update(sched, result.sampled)
+        budget = self.scheduler.step_budget
+        if budget is not None and sched.scheduled:
+            budget.observe([(r.num_new_tokens, r.start) for r in sched.scheduled],
+                           sum(r.num_samples for r in sched.scheduled), time.perf_counter() - started)
         now = time.monotonic()
         if self.spec_stats is not None:
             for row in sched.scheduled:
                 if row.draft_token_ids and row.request_id in result.sampled:
                     self.spec_stats.observe(len(row.draft_token_ids), len(result.sampled[row.request_id]) - 1)
         logprobs = self._logprobs_by_sample(result)
+        self._store_prompt_logprobs(result)
         changed: dict[str, _Tracked] = {}
         for update in updates:
             req = update.request
@@ -282,21 +250,9 @@ class LLMEngine:
                 continue
             self._apply(tracked, req, update.new_token_ids, update.finished, logprobs.get((req.parent_id or req.request_id, req.index)), now)
             changed[tracked.request_id] = tracked
-        if self._propose is not None:
-            self._propose_drafts()
+        if self.runner.speculates and self.speculate:
+            self.scheduler.update_draft_token_ids(self.runner.propose_drafts(self.scheduler.running))
         return [self._output(t) for t in changed.values()]
-
-    def _propose_drafts(self) -> None:
-        """Give every running decode proposals for the next step (unless the batch is
-        past disable_by_batch_size, where verification would cost more than it saves)."""
-        running = self.scheduler.running
-        limit = self.config.speculative_config.disable_by_batch_size
-        if not running or (limit and len(running) > limit):
-            return
-        decodes = [r for r in running
-                   if r.num_tokens - r.num_computed_tokens == 1 and r.max_tokens - r.num_output_tokens > 1]
-        for req, drafts in zip(decodes, self._propose(decodes)):
-            req.spec_token_ids = drafts
 
     def _apply(self, tracked: _Tracked, req: Request, new_ids: list[int], finished: RequestStatus | None,
                logprobs: list[TokenLogprobs] | None, now: float) -> None:
@@ -356,11 +312,6 @@ class LLMEngine:
 
     def _new_sequence(self, tracked: _Tracked, req: Request) -> _Sequence:
         params = tracked.params
-        if req.index > 0:
-            # A freshly forked child: from now on it samples with its own seed.
-            parent_state: SamplingState = req.sampling
-            req.sampling = SamplingState(params, parent_state.fork_seeds[req.index],
-                                         matcher=parent_state.fork_matchers[req.index])
         seq = _Sequence(
             CompletionOutput(index=req.index, logprobs=[] if params.logprobs is not None else None),
             IncrementalDetokenizer(
@@ -381,13 +332,30 @@ class LLMEngine:
         if lp is None:
             return {}
         out: dict[tuple[str, int], list[TokenLogprobs]] = {}
+        ks = [req.sampling.params.logprobs for req, _ in result.logprob_samples]
+        for (req, index), entry in zip(result.logprob_samples, self._entries(lp, ks)):
+            out.setdefault((req.parent_id or req.request_id, index), []).append(entry)
+        return out
+
+    def _store_prompt_logprobs(self, result: RunnerOutput) -> None:
+        """Put this step's prompt logprobs in place (by position: a preempted request's
+        recomputed prefill writes the same values again)."""
+        for chunk in result.prompt_logprobs:
+            tracked = self._tracked.get(chunk.request_id)
+            if tracked is None or tracked.prompt_logprobs is None:
+                continue
+            entries = self._entries(chunk.logprobs, itertools.repeat(tracked.params.prompt_logprobs))
+            tracked.prompt_logprobs[chunk.first:chunk.first + len(entries)] = entries
+
+    def _entries(self, lp: LogprobsTensors, ks: Iterable[int]) -> list[TokenLogprobs]:
+        """Rows of `lp` as {token_id: Logprob}: the row's own token, then its top k."""
+        out = []
         ids, values, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.sampled_ranks.tolist()
-        for (req, index), row_ids, row_vals, rank in zip(result.logprob_samples, ids, values, ranks):
-            k = req.sampling.params.logprobs
+        for row_ids, row_vals, rank, k in zip(ids, values, ranks, ks):
             entry = {row_ids[0]: Logprob(row_vals[0], rank, self.tokenizer.decode([row_ids[0]]))}
             for r, (tok, val) in enumerate(zip(row_ids[1 : k + 1], row_vals[1 : k + 1]), start=1):
                 entry.setdefault(tok, Logprob(val, r, self.tokenizer.decode([tok])))
-            out.setdefault((req.parent_id or req.request_id, index), []).append(entry)
+            out.append(entry)
         return out
 
     def _output(self, tracked: _Tracked) -> RequestOutput:
@@ -395,22 +363,16 @@ class LLMEngine:
         if tracked.finished:
             del self._tracked[tracked.request_id]
         return RequestOutput(
-            tracked.request_id, tracked.prompt, tracked.prompt_token_ids, outputs, tracked.finished, tracked.metrics
+            tracked.request_id, tracked.prompt, tracked.prompt_token_ids, outputs, tracked.finished, tracked.metrics,
+            tracked.prompt_logprobs,
         )
 
     # -- introspection -----------------------------------------------------------------
 
+    def engine_stats(self) -> EngineStats:
+        spec = self.spec_stats
+        return EngineStats(self.scheduler.stats(), self.kernels,
+                           replace(spec, accepted_per_pos=list(spec.accepted_per_pos)) if spec is not None else None)
+
     def stats(self) -> dict:
-        s = self.scheduler.stats()
-        return {
-            "kv_total_blocks": s.kv_total_blocks,
-            "kv_free_blocks": s.kv_free_blocks,
-            "kv_usage": s.kv_usage,
-            "kv_waste": s.kv_waste,
-            "num_running": s.num_running,
-            "num_waiting": s.num_waiting,
-            "num_preemptions": s.num_preemptions,
-            "prefix_cache_queries": s.prefix_cache_queries,
-            "prefix_cache_hits": s.prefix_cache_hits,
-            **(self.spec_stats.as_dict() if self.spec_stats is not None else {}),
-        }
+        return self.engine_stats().as_dict()

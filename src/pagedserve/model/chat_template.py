@@ -6,6 +6,7 @@ jinja2's immutable sandbox and is never taken from a request.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -63,8 +64,37 @@ class _GenerationBlock(Extension):
         return jinja2.nodes.Scope(body).set_lineno(lineno)
 
 
+# jinja's sandbox stops attribute escapes (`__class__`, `__globals__`), mutation and
+# `range` beyond 100,000, but computes `10 ** 10 ** 10` and `'x' * 10 ** 10` as asked:
+# a template from a downloaded model file could take the machine's memory or hang a
+# tokenizer thread. These bound what one operation and one rendering may produce.
+_MAX_INT_BITS = 4096
+_MAX_REPEAT_ITEMS = 1 << 20
+MAX_RENDERED_CHARS = 8 << 20
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "**" and _is_int(left) and _is_int(right) and abs(left) > 1 and right > 0 \
+                and right * math.log2(abs(left)) > _MAX_INT_BITS:
+            raise jinja2.exceptions.SecurityError(f"{left} ** {right} is too large for a chat template")
+        if operator == "*":
+            sequence, count = (left, right) if _is_int(right) else (right, left)
+            if isinstance(sequence, (str, list, tuple)) and _is_int(count) \
+                    and len(sequence) * count > _MAX_REPEAT_ITEMS:
+                raise jinja2.exceptions.SecurityError(f"repeating {len(sequence)} items {count} times is too much "
+                                                      "for a chat template")
+        return super().call_binop(context, operator, left, right)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, loopcontrols]
     )
     env.filters["tojson"] = _tojson
@@ -139,9 +169,27 @@ class ChatTemplate:
             "add_generation_prompt": add_generation_prompt,
         }
         try:
-            return self._template.render(**context)
+            return self._render(context)
         except jinja2.exceptions.TemplateError as exc:
             raise ValueError(f"chat template rejected the conversation: {exc}") from exc
+        except (TypeError, AttributeError, KeyError, IndexError, ValueError, ArithmeticError,
+                RecursionError) as exc:
+            # The template is trusted code, but it was written for well-formed conversations:
+            # `message['content'] + ...` on a null content, an unknown role in a lookup. The
+            # messages are what is wrong, so the caller gets a ValueError, not a crash.
+            raise ValueError(f"chat template cannot render these messages: {type(exc).__name__}: {exc}") from exc
+
+
+    def _render(self, context: dict[str, Any]) -> str:
+        """Render piece by piece, stopping once the text passes MAX_RENDERED_CHARS."""
+        pieces, size = [], 0
+        for piece in self._template.generate(**context):
+            size += len(piece)
+            if size > MAX_RENDERED_CHARS:
+                raise jinja2.exceptions.SecurityError(
+                    f"the chat template rendered more than {MAX_RENDERED_CHARS} characters")
+            pieces.append(piece)
+        return "".join(pieces)
 
 
 def read_chat_template_file(path: str | Path) -> str:

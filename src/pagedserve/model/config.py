@@ -5,13 +5,30 @@ only in flags (q/k/v bias, q/k RMSNorm, RoPE scaling, tied head).
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 # Architectures this engine runs, keyed by GGUF `general.architecture` / HF `model_type`.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+# Weight-only formats with a native kernel, by GGML type id (gguf.GGMLQuantizationType),
+# the id the native op takes.
+QTYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
+# --quantization: none = fp32; gguf = a GGUF file's own blocks where a kernel reads them.
+QUANTIZATION_CHOICES = ("none", *QTYPES, "gguf")
+
+
+# Far above any Llama-family model (Llama 3 405B: hidden 16384, 126 layers, 128k context)
+# and far below sizes whose allocation would take the machine down.
+_SIZE_LIMITS = {
+    "vocab_size": 1 << 21, "hidden_size": 1 << 16, "intermediate_size": 1 << 18, "num_layers": 1 << 10,
+    "num_heads": 1 << 10, "num_kv_heads": 1 << 10, "head_dim": 1 << 12, "max_position_embeddings": 1 << 24,
+}
 
 
 @dataclass(frozen=True)
@@ -39,6 +56,16 @@ class ModelConfig:
             raise ValueError(
                 f"architecture {self.architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        # A model file's numbers size every allocation that follows: refuse the absurd ones
+        # here, with their names, before anything is allocated from them.
+        for name, limit in _SIZE_LIMITS.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+                raise ValueError(f"{name} must be an integer in [1, {limit}], got {value!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
 
@@ -57,6 +84,11 @@ class ModelConfig:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> "ModelConfig":
+        with _malformed("the GGUF's model metadata"):
+            return cls._from_gguf_metadata(meta)
+
+    @classmethod
+    def _from_gguf_metadata(cls, meta: dict[str, Any]) -> "ModelConfig":
         arch = str(meta["general.architecture"])
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -89,7 +121,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, path: str | Path) -> "ModelConfig":
-        cfg = json.loads(Path(path).read_text())
+        with _malformed(str(path)):
+            return cls._from_hf_config(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def _from_hf_config(cls, cfg: Any) -> "ModelConfig":
         arch = cfg.get("model_type", "")
         hidden = int(cfg["hidden_size"])
         # transformers >= 5 writes RoPE settings as one `rope_parameters` dict.
@@ -113,3 +149,15 @@ class ModelConfig:
             qk_norm=arch == "qwen3",
             rope_scaling=rope_scaling,
         )
+
+
+@contextlib.contextmanager
+def _malformed(what: str) -> Iterator[None]:
+    """A missing key, a wrong type or bad JSON in a model's config as a ValueError naming
+    `what` and the key, not a KeyError that would read as a bug in pagedserve."""
+    try:
+        yield
+    except KeyError as e:
+        raise ValueError(f"{what}: required key {e} is missing") from None
+    except (TypeError, AttributeError, ValueError, ArithmeticError) as e:
+        raise ValueError(f"{what}: {e}") from None

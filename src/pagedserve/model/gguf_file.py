@@ -1,16 +1,22 @@
 """Read a GGUF file: its metadata as plain Python values and its tensors as float32.
 
-The `gguf` package does the parsing and dequantisation; this module only turns
-its reader objects into plain data the rest of pagedserve can use.
+The `gguf` package does the parsing and dequantisation; this module turns its reader
+objects into plain data the rest of pagedserve can use, and stands between it and a
+malformed file: whatever is wrong (truncation, bad magic or version, absurd counts,
+dimensions or offsets, unknown types, bad strings, non-finite weights), the caller
+gets a `ValueError` naming the file and the problem, in time and memory bounded by the
+file's size (tests/test_model_file_fuzz.py).
 """
 from __future__ import annotations
 
+import mmap
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType, GGMLQuantizationType
+from gguf import GGUF_MAGIC, GGUFReader, GGUFValueType, GGMLQuantizationType
 from gguf.quants import dequantize
 
 # Types we promise to load (the tests build one block of each by hand).
@@ -18,6 +24,18 @@ SUPPORTED_TYPES = frozenset(
     GGMLQuantizationType[name]
     for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 )
+# The smallest encodings of one metadata entry (key length, key, type, a 1-byte value)
+# and of one tensor entry (name length, name, ndims, a dim, type, offset): a header
+# claiming more entries than its file could hold is refused before any is parsed.
+_MIN_KV_BYTES = 8 + 1 + 4 + 1
+_MIN_TENSOR_INFO_BYTES = 8 + 1 + 4 + 8 + 4 + 8
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+# What the reader raises on bytes it cannot make sense of (it does not check much itself).
+_PARSE_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, struct.error, UnicodeDecodeError)
+
+
+class GGUFFormatError(ValueError):
+    """The file is not a GGUF file this reader can use; the message says why."""
 
 
 def _field_value(field: Any) -> Any:
@@ -52,33 +70,135 @@ class GGUFTensor:
             )
         out = dequantize(self.raw, self.qtype)
         # A copy: F32 tensors would otherwise alias the read-only memory map.
-        return np.array(out.reshape(self.shape), dtype=np.float32)
+        values = np.array(out.reshape(self.shape), dtype=np.float32)
+        if not np.isfinite(values).all():
+            bad = int(np.size(values) - np.count_nonzero(np.isfinite(values)))
+            raise GGUFFormatError(f"tensor {self.name!r} holds {bad} NaN or infinite values")
+        return values
 
 
 class GGUFFile:
-    """Metadata and tensors of one GGUF file, read once."""
+    """Metadata and tensors of one GGUF file, read once; GGUFFormatError if it is malformed."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._reader = GGUFReader(self.path)
-        self.metadata: dict[str, Any] = {
-            key: _field_value(field)
-            for key, field in self._reader.fields.items()
-            if not key.startswith("GGUF.")
-        }
+        _check_header(self.path)
+        try:
+            self._reader = GGUFReader(self.path)
+            self.metadata: dict[str, Any] = {
+                key: _field_value(field)
+                for key, field in self._reader.fields.items()
+                if not key.startswith("GGUF.")
+            }
+            self._tensors = [self._tensor(t) for t in self._reader.tensors]
+        except GGUFFormatError as e:
+            raise GGUFFormatError(f"{self.path}: {e}") from None
+        except _PARSE_ERRORS as e:
+            raise GGUFFormatError(f"{self.path} is not a valid GGUF file: {type(e).__name__}: {e}") from None
 
     @property
     def architecture(self) -> str:
         return str(self.metadata["general.architecture"])
 
     def tensors(self) -> list[GGUFTensor]:
-        return [
-            GGUFTensor(
-                name=t.name,
-                qtype=t.tensor_type,
-                # GGUF lists dims fastest-first; reverse for row-major.
-                shape=tuple(int(d) for d in reversed(t.shape)),
-                raw=t.data,
-            )
-            for t in self._reader.tensors
-        ]
+        return list(self._tensors)
+
+    @staticmethod
+    def _tensor(t: Any) -> GGUFTensor:
+        dims = [int(d) for d in t.shape]
+        # The reader checks sizes and offsets against the file (a short view does not
+        # reshape) but takes a zero dimension as an empty tensor.
+        if not 1 <= len(dims) <= _MAX_DIMS or min(dims) < 1:
+            raise GGUFFormatError(f"tensor {t.name!r} has dimensions {dims}")
+        # GGUF lists dims fastest-first; reverse for row-major.
+        return GGUFTensor(name=t.name, qtype=t.tensor_type, shape=tuple(reversed(dims)), raw=t.data)
+
+
+_SCALAR_SIZES = {
+    GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1, GGUFValueType.UINT16: 2,
+    GGUFValueType.INT16: 2, GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
+    GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8,
+}
+
+
+class _Cursor:
+    """Reads the header's little- or big-endian fields, refusing any length that runs
+    past the end of the file (the reader would loop over it item by item)."""
+
+    def __init__(self, data: memoryview, order: str, pos: int):
+        self.data, self.order, self.pos = data, order, pos
+
+    def take(self, size: int, what: str) -> memoryview:
+        if size > len(self.data) - self.pos:
+            raise GGUFFormatError(f"{what} at byte {self.pos} needs {size} bytes; the file ends at {len(self.data)}")
+        self.pos += size
+        return self.data[self.pos - size:self.pos]
+
+    def uint(self, fmt: str, what: str) -> int:
+        return struct.unpack(self.order + fmt, self.take(struct.calcsize(fmt), what))[0]
+
+    def string(self, what: str) -> None:
+        self.take(self.uint("Q", f"the length of {what}"), what)
+
+
+def _check_header(path: Path) -> None:
+    """Walk the header (magic, version, counts, every metadata entry and tensor entry)
+    checking each length against the bytes left, before the reader trusts any of them."""
+    size = path.stat().st_size
+    if size < 24:
+        raise GGUFFormatError(f"{path} is {size} bytes long, too short for a GGUF header")
+    with path.open("rb") as f:
+        head = f.read(24)
+    magic, version = struct.unpack("<II", head[:8])
+    if magic != GGUF_MAGIC:
+        raise GGUFFormatError(f"{path} is not a GGUF file (it starts with {head[:4]!r}, not b'GGUF')")
+    order = ">" if version & 0xFFFF == 0 else "<"  # written big-endian: the reader handles both
+    version, num_tensors, num_kv = struct.unpack(order + "IQQ", head[4:])
+    if version not in (2, 3):
+        raise GGUFFormatError(f"{path} is GGUF version {version}; this reader takes versions 2 and 3")
+    room = size - 24
+    if num_kv * _MIN_KV_BYTES > room or num_tensors * _MIN_TENSOR_INFO_BYTES > room:
+        raise GGUFFormatError(f"{path} claims {num_kv} metadata entries and {num_tensors} tensors, more than its "
+                              f"{size} bytes can hold")
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            _check_entries(_Cursor(view, order, 24), num_kv, num_tensors)
+        except GGUFFormatError as e:
+            raise GGUFFormatError(f"{path}: {e}") from None
+        finally:
+            view.release()
+
+
+def _check_entries(cursor: _Cursor, num_kv: int, num_tensors: int) -> None:
+    for index in range(num_kv):
+        _check_value(cursor, f"metadata entry {index}")
+    for index in range(num_tensors):
+        cursor.string(f"the name of tensor {index}")
+        num_dims = cursor.uint("I", f"the dimension count of tensor {index}")
+        if not 1 <= num_dims <= _MAX_DIMS:
+            raise GGUFFormatError(f"tensor {index} has {num_dims} dimensions (1 to {_MAX_DIMS} allowed)")
+        cursor.take(8 * num_dims + 4 + 8, f"the dimensions, type and offset of tensor {index}")
+
+
+def _check_value(cursor: _Cursor, what: str) -> None:
+    cursor.string(f"the key of {what}")
+    kind = cursor.uint("I", f"the type of {what}")
+    if kind == GGUFValueType.STRING:
+        cursor.string(what)
+    elif kind == GGUFValueType.ARRAY:
+        item_kind = cursor.uint("I", f"the item type of {what}")
+        count = cursor.uint("Q", f"the length of {what}")
+        if item_kind == GGUFValueType.STRING:
+            if count * 8 > len(cursor.data) - cursor.pos:
+                raise GGUFFormatError(f"{what} claims {count} strings, more than the file can hold")
+            for _ in range(count):
+                cursor.string(f"a string of {what}")
+        elif item_kind in _SCALAR_SIZES:
+            cursor.take(count * _SCALAR_SIZES[GGUFValueType(item_kind)], f"the {count} items of {what}")
+        else:
+            raise GGUFFormatError(f"{what} is an array of type {item_kind}, which this reader does not take")
+    elif kind in _SCALAR_SIZES:
+        cursor.take(_SCALAR_SIZES[GGUFValueType(kind)], what)
+    else:
+        raise GGUFFormatError(f"{what} has unknown type {kind}")

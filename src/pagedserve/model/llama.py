@@ -14,6 +14,7 @@ from torch import nn
 from ..attention.backend import AttentionBackend
 from ..attention.metadata import AttentionMetadata
 from .config import ModelConfig
+from .quant import QTYPES, QuantEmbedding, QuantLinear
 
 
 class RotaryEmbedding(nn.Module):
@@ -55,13 +56,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class RMSNorm(nn.Module):
+    """`native` (LlamaModel.set_kernels) runs pagedserve's fused op: torch's CPU
+    rms_norm decomposes into ~7 ops, ~4x slower per call at decode's few rows."""
+
+    native = False
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return torch.ops.pagedserve.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, its norm). The native op adds into `residual` in place, so
+        the caller must own it (the decoder's running hidden state does)."""
+        if self.native:
+            return residual, torch.ops.pagedserve.add_rms_norm_(x, residual, self.weight, self.eps)
+        residual = residual + x
+        return residual, self(residual)
 
 
 # The row count oneDNN is told to expect when it lays out a packed weight. Decode
@@ -105,6 +121,10 @@ def _linear(n_in: int, n_out: int, bias: bool = False) -> Linear:
 
 
 class DecoderLayer(nn.Module):
+    # `native` (LlamaModel.set_kernels): the MLP's SiLU x up as one op, 2.3-2.8x faster
+    # than torch's chunk + silu + mul at 1-256 rows (docs/benchmarks.md).
+    native = False
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
@@ -140,8 +160,11 @@ class DecoderLayer(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         attn = backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
-        hidden = hidden + self.o(attn)
-        gate, up = self.gate_up(self.ffn_norm(hidden)).chunk(2, dim=-1)
+        hidden, normed = self.ffn_norm.add_forward(self.o(attn), hidden)
+        gate_up = self.gate_up(normed)
+        if self.native:
+            return hidden + self.down(torch.ops.pagedserve.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return hidden + self.down(F.silu(gate) * up)
 
 
@@ -160,26 +183,72 @@ class LlamaModel(nn.Module):
         with torch.device("cpu"):
             self.rotary = RotaryEmbedding(config)
 
-    def load_weights(self, state: dict[str, torch.Tensor], pack: bool | None = None) -> None:
+    def load_weights(
+        self,
+        state: dict[str, torch.Tensor],
+        pack: bool | None = None,
+        quantization: str = "none",
+        qtypes: dict[str, int] | None = None,
+    ) -> None:
         """Take a fused state dict (model/weights.py) without copying its tensors, then
-        prepack the linear layers' weights for oneDNN (`pack`: default when torch has it)."""
+        prepack the fp32 linear layers' weights for oneDNN (`pack`: default when torch has it).
+
+        `qtypes` names the state's matrices that are GGUF blocks (weights.fuse_gguf_blocks)
+        and their GGML types: those layers (and a tied head, from the embedding's blocks) run
+        on the blocks as they are. `quantization` q8_0 / q4_0 / q4_1 quantises every fp32
+        linear layer at load, and the head to q8_0; the embedding stays fp32 (it is only indexed)."""
         state = dict(state)
         divisors = state.pop("rope_freq_divisors", None)
         if divisors is not None:
             self.rotary.set_freq_divisors(divisors)
+        for name, qtype in (qtypes or {}).items():
+            path = name.removesuffix(".weight")
+            blocks = state.pop(name)
+            if path == "embed":
+                self.embed = QuantEmbedding(blocks, qtype)
+            else:
+                self.set_submodule(path, QuantLinear(blocks, qtype, state.pop(f"{path}.bias", None)))
         self.load_state_dict(state, strict=True, assign=True)
         if self.lm_head is None:
-            self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
-            self.lm_head.weight = self.embed.weight  # packing copies it; the embedding keeps its own
+            if isinstance(self.embed, QuantEmbedding):
+                self.lm_head = QuantLinear(self.embed.blocks, self.embed.qtype)
+            else:
+                self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
+                self.lm_head.weight = self.embed.weight  # packing copies it; the embedding keeps its own
+        if quantization in QTYPES:
+            for path, module in self.named_linears():
+                # The head in 4 bits put 10-20% error into the logits on SmolLM2 (tests/
+                # test_quantized_model.py); like llama.cpp's 4-bit presets, keep it at 8 bits.
+                qtype = QTYPES["q8_0"] if path == "lm_head" else QTYPES[quantization]
+                if isinstance(module, Linear):
+                    self.set_submodule(path, QuantLinear.from_float(module.weight, qtype, module.bias))
         if pack is None:
             pack = can_pack_weights()
         if pack:
-            for module in [*self.linear_layers(), self.lm_head]:
-                module.pack()
+            for _, module in self.named_linears():
+                if isinstance(module, Linear):
+                    module.pack()
 
-    def linear_layers(self) -> list[Linear]:
+    def set_kernels(self, kernels: str) -> None:
+        """"native" or "torch" (pagedserve.kernels.resolve_kernels decides which can run)."""
+        if kernels not in ("native", "torch"):
+            raise ValueError(f"kernels must be 'native' or 'torch', got {kernels!r}")
+        if kernels == "torch" and any(isinstance(m, QuantLinear) for _, m in self.named_linears()):
+            raise ValueError("quantised linear layers run only on the native kernels (kernels='native' or 'auto' "
+                             "where the library can run); load the model with quantization='none' for the torch path")
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, DecoderLayer)):
+                module.native = kernels == "native"
+
+    def linear_layers(self) -> list[Linear | QuantLinear]:
         """Every decoder layer's qkv, o, gate_up and down, in forward order (not the head)."""
         return [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
+    def named_linears(self) -> list[tuple[str, Linear | QuantLinear]]:
+        """(submodule path, module) of every linear layer and the head."""
+        names = ("qkv", "o", "gate_up", "down")
+        return [(f"layers.{i}.{n}", getattr(layer, n)) for i, layer in enumerate(self.layers) for n in names] + [
+            ("lm_head", self.lm_head)]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head over final hidden states: [R, hidden] -> [R, vocab]."""

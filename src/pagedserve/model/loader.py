@@ -23,12 +23,13 @@ from typing import Any
 
 import torch
 
-from .config import ModelConfig
+from ..paths import cache_root
+from .config import QUANTIZATION_CHOICES, ModelConfig
 from .gguf_file import GGUFFile
 from .llama import LlamaModel
 from .registry import DEFAULT_MODEL_NAME, default_model_path
 from .tokenizer import Tokenizer
-from .weights import fuse_hf_tensors, hf_tensors_from_gguf, hf_tensors_from_safetensors
+from .weights import fuse_gguf_blocks, fuse_hf_tensors, hf_tensors_from_gguf, hf_tensors_from_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +60,6 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
         "*.safetensors (and tokenizer.json), or a folder holding exactly one .gguf file. "
         "pagedserve never downloads models; omit --model to use the embedded SmolLM2-135M-Instruct."
     )
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache" / "pagedserve"))
 
 
 def file_digest(path: Path) -> str:
@@ -129,11 +126,38 @@ def _publish_cache(cache_dir: Path, state, tokenizer: Tokenizer, config: ModelCo
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def build_model(config: ModelConfig, state: dict[str, torch.Tensor], pack: bool | None = None) -> LlamaModel:
-    """`pack`: prepack linear weights for oneDNN (LlamaModel.load_weights); default when available."""
+def gguf_blocks(path: Path, config: ModelConfig, cache_dir: Path, use_cache: bool = True) -> dict[str, Any]:
+    """{"state": the fused state with quantised matrices in their GGUF blocks, "qtypes":
+    their GGML types} (weights.fuse_gguf_blocks), cached next to the fp32 conversion: it
+    needs the file parsed again, which costs seconds."""
+    blocks_file = cache_dir / "blocks.pt"
+    if use_cache and blocks_file.is_file():
+        return torch.load(blocks_file, mmap=True, weights_only=True)
+    state, qtypes = fuse_gguf_blocks(GGUFFile(path), config)
+    entry = {"state": state, "qtypes": qtypes}
+    if use_cache and cache_dir.is_dir():
+        staging = blocks_file.with_name(f"blocks.pt.staging-{os.getpid()}")
+        try:
+            torch.save(entry, staging)
+            os.replace(staging, blocks_file)  # readers see the whole file or none
+        except OSError as e:
+            logger.warning("could not write %s: %s", blocks_file, e)
+            staging.unlink(missing_ok=True)
+    return entry
+
+
+def build_model(
+    config: ModelConfig,
+    state: dict[str, torch.Tensor],
+    pack: bool | None = None,
+    quantization: str = "none",
+    qtypes: dict[str, int] | None = None,
+) -> LlamaModel:
+    """`pack`: prepack linear weights for oneDNN (LlamaModel.load_weights); default when available.
+    `quantization`, `qtypes`: see LlamaModel.load_weights."""
     with torch.device("meta"):
         model = LlamaModel(config)
-    model.load_weights(state, pack=pack)
+    model.load_weights(state, pack=pack, quantization=quantization, qtypes=qtypes)
     return model.eval()
 
 
@@ -146,14 +170,30 @@ class LoadedModel:
     tokenizer: Tokenizer
 
 
-def load_model(model: str | os.PathLike | None = None, use_cache: bool = True, pack: bool | None = None) -> LoadedModel:
-    """`pack`: prepack linear weights for oneDNN (build_model); default when available."""
+def load_model(
+    model: str | os.PathLike | None = None,
+    use_cache: bool = True,
+    pack: bool | None = None,
+    quantization: str = "none",
+) -> LoadedModel:
+    """`pack`: prepack linear weights for oneDNN (build_model); default when available.
+    `quantization`: none (fp32), q8_0 / q4_0 / q4_1 (quantised from fp32 at load), or gguf
+    (a GGUF's matrices kept in the file's own blocks where a native kernel reads them)."""
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}")
     source = resolve_model(model)
+    if quantization == "gguf" and source.kind != "gguf":
+        raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks, but {source.path} is a {source.kind} model")
+    qtypes = None
     if source.kind == "gguf":
         converted = convert_gguf(source.path, use_cache=use_cache)
         config, state, tokenizer = converted.config, converted.state, converted.tokenizer
+        if quantization == "gguf":
+            entry = gguf_blocks(source.path, config, converted.cache_dir, use_cache=use_cache)
+            state, qtypes = entry["state"], entry["qtypes"]
     else:
         config = ModelConfig.from_hf_config(source.path / "config.json")
         state = fuse_hf_tensors(hf_tensors_from_safetensors(source.path), config)
         tokenizer = Tokenizer.from_pretrained(source.path)
-    return LoadedModel(source.name, source, config, build_model(config, state, pack=pack), tokenizer)
+    built = build_model(config, state, pack=pack, quantization=quantization, qtypes=qtypes)
+    return LoadedModel(source.name, source, config, built, tokenizer)

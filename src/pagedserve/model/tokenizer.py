@@ -11,8 +11,9 @@ Sources (the `Tokenizer.from_*` constructors, or `load_tokenizer` for any of the
 """
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,19 @@ def byte_alphabet() -> dict[int, str]:
     return dict(sorted(table.items()))
 
 
+@contextlib.contextmanager
+def _malformed(what: str) -> Iterator[None]:
+    """Any error building a tokenizer from `what` as a ValueError that says so: the files
+    come from the user's download, and a KeyError or the `tokenizers` library's bare
+    Exception would read as a bug in pagedserve."""
+    try:
+        yield
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - `tokenizers` raises plain Exception
+        raise ValueError(f"{what}: malformed ({type(e).__name__}: {e})") from e
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
@@ -151,21 +165,15 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
         """Build from GGUF metadata already read (it must include the vocabulary arrays)."""
-        backend = _backend_from_gguf(metadata)
-        tokens = metadata["tokenizer.ggml.tokens"]
-
-        def special_id(key: str) -> int | None:
-            token_id = metadata.get(f"tokenizer.ggml.{key}_token_id")
-            return int(token_id) if token_id is not None and 0 <= token_id < len(tokens) else None
-
-        return cls(
-            backend,
-            bos_token_id=special_id("bos"),
-            eos_token_id=special_id("eos"),
-            pad_token_id=special_id("padding"),
-            unk_token_id=special_id("unknown"),
-            chat_template=metadata.get("tokenizer.chat_template"),
-        )
+        with _malformed("the GGUF's tokenizer metadata"):
+            backend = _backend_from_gguf(metadata)
+            num_tokens = len(metadata["tokenizer.ggml.tokens"])
+            special_ids = {}
+            for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown")):
+                token_id = metadata.get(f"tokenizer.ggml.{key}_token_id")
+                in_vocab = token_id is not None and 0 <= token_id < num_tokens
+                special_ids[f"{name}_token_id"] = int(token_id) if in_vocab else None
+        return cls(backend, chat_template=metadata.get("tokenizer.chat_template"), **special_ids)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> Tokenizer:
@@ -174,9 +182,10 @@ class Tokenizer:
         tokenizer_file = directory / _TOKENIZER_FILE
         if not tokenizer_file.is_file():
             raise ValueError(f"directory {str(directory)!r} has no {_TOKENIZER_FILE}")
-        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
-        # Older folders name their special tokens only in special_tokens_map.json.
-        config = {**_read_json(directory / _SPECIAL_TOKENS_MAP_FILE), **_read_json(directory / _CONFIG_FILE)}
+        with _malformed(f"{directory}'s tokenizer files"):
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+            # Older folders name their special tokens only in special_tokens_map.json.
+            config = {**_read_json(directory / _SPECIAL_TOKENS_MAP_FILE), **_read_json(directory / _CONFIG_FILE)}
         template_file = directory / _TEMPLATE_FILE
         template = (
             template_file.read_text(encoding="utf-8")
@@ -230,7 +239,11 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            # `tokenizers` takes only valid Unicode; a lone surrogate ("\\ud800") is the one way a str is not.
+            raise ValueError("text is not valid Unicode (it holds an unpaired surrogate)") from None
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 
 from .config import ModelConfig
 from .gguf_file import GGUFFile
+from .quant import BLOCK_BYTES, dequantize_blocks
 
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -60,7 +62,12 @@ def undo_llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def hf_tensors_from_gguf(gguf: GGUFFile, config: ModelConfig) -> dict[str, torch.Tensor]:
+def hf_tensors_from_gguf(
+    gguf: GGUFFile, config: ModelConfig, keep_blocks: Collection[int] = ()
+) -> dict[str, torch.Tensor]:
+    """fp32 tensors under HF names; matrices whose GGML type is in `keep_blocks` stay in
+    their blocks, uint8 [rows, row bytes] (model/quant.py): rows are whole blocks, so the
+    q/k row permutation below applies to them as to floats."""
     out: dict[str, torch.Tensor] = {}
     # Only llama-arch files are permuted by the converter (Qwen2/3 use HF's rotation already).
     permuted = config.architecture in ("llama", "mistral")
@@ -68,7 +75,10 @@ def hf_tensors_from_gguf(gguf: GGUFFile, config: ModelConfig) -> dict[str, torch
         name = _hf_name_for_gguf(t.name)
         if name is None:
             raise ValueError(f"unexpected tensor {t.name!r} in {gguf.path.name}")
-        w = t.to_float32()
+        if t.qtype in keep_blocks and len(t.shape) == 2:
+            w = np.array(t.raw, dtype=np.uint8).reshape(t.shape[0], -1)  # a copy: the map is read-only
+        else:
+            w = t.to_float32()
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = undo_llama_cpp_permute(w, config.num_heads)
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -107,14 +117,28 @@ def llama3_freq_divisors(config: ModelConfig) -> torch.Tensor | None:
     return divisor.float()
 
 
+def fused_matrices(config: ModelConfig, hf_names: Collection[str]) -> dict[str, list[str]]:
+    """Each weight matrix of pagedserve's LlamaModel -> the HF matrices whose rows it
+    concatenates (q/k/v into qkv, gate/up into gate_up)."""
+    out = {"embed.weight": ["model.embed_tokens.weight"]}
+    if "lm_head.weight" in hf_names and not config.tie_word_embeddings:
+        out["lm_head.weight"] = ["lm_head.weight"]
+    for i in range(config.num_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        out[f"layers.{i}.qkv.weight"] = [a + f"{x}_proj.weight" for x in "qkv"]
+        out[f"layers.{i}.o.weight"] = [a + "o_proj.weight"]
+        out[f"layers.{i}.gate_up.weight"] = [m + "gate_proj.weight", m + "up_proj.weight"]
+        out[f"layers.{i}.down.weight"] = [m + "down_proj.weight"]
+    return out
+
+
 def fuse_hf_tensors(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """HF names -> the fused parameter names of pagedserve's LlamaModel."""
     sd: dict[str, torch.Tensor] = {
-        "embed.weight": hf["model.embed_tokens.weight"],
-        "norm.weight": hf["model.norm.weight"],
+        fused: torch.cat([hf[p] for p in parts]) if len(parts) > 1 else hf[parts[0]]
+        for fused, parts in fused_matrices(config, hf).items()
     }
-    if "lm_head.weight" in hf and not config.tie_word_embeddings:
-        sd["lm_head.weight"] = hf["lm_head.weight"]
+    sd["norm.weight"] = hf["model.norm.weight"]
     divisors = hf.get("rope_freqs")
     if divisors is None:
         divisors = llama3_freq_divisors(config)
@@ -122,16 +146,31 @@ def fuse_hf_tensors(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
         sd["rope_freq_divisors"] = divisors
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        a, m = p + "self_attn.", p + "mlp."
+        a = p + "self_attn."
         sd[f"layers.{i}.attn_norm.weight"] = hf[p + "input_layernorm.weight"]
         sd[f"layers.{i}.ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
-        sd[f"layers.{i}.qkv.weight"] = torch.cat([hf[a + f"{x}_proj.weight"] for x in "qkv"])
         if config.attention_bias:
             sd[f"layers.{i}.qkv.bias"] = torch.cat([hf[a + f"{x}_proj.bias"] for x in "qkv"])
         if config.qk_norm:
             sd[f"layers.{i}.q_norm.weight"] = hf[a + "q_norm.weight"]
             sd[f"layers.{i}.k_norm.weight"] = hf[a + "k_norm.weight"]
-        sd[f"layers.{i}.o.weight"] = hf[a + "o_proj.weight"]
-        sd[f"layers.{i}.gate_up.weight"] = torch.cat([hf[m + "gate_proj.weight"], hf[m + "up_proj.weight"]])
-        sd[f"layers.{i}.down.weight"] = hf[m + "down_proj.weight"]
     return {k: v.contiguous() for k, v in sd.items()}
+
+
+def fuse_gguf_blocks(gguf: GGUFFile, config: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """The fused state dict with every matrix that a native quantised kernel reads kept in
+    its GGUF blocks (`--quantization gguf`), and those matrices' GGML types. A fused matrix
+    whose parts differ in type is dequantised to fp32 (blocks of two formats cannot share
+    one tensor)."""
+    types = {_hf_name_for_gguf(t.name): int(t.qtype) for t in gguf.tensors()}
+    hf = hf_tensors_from_gguf(gguf, config, keep_blocks=BLOCK_BYTES)
+    qtypes: dict[str, int] = {}
+    for fused, parts in fused_matrices(config, hf).items():
+        kinds = {types[p] if hf[p].dtype == torch.uint8 else None for p in parts}
+        if len(kinds) == 1 and None not in kinds:
+            qtypes[fused] = kinds.pop()
+            continue
+        for p in parts:
+            if hf[p].dtype == torch.uint8:
+                hf[p] = dequantize_blocks(hf[p], types[p])
+    return fuse_hf_tensors(hf, config), qtypes

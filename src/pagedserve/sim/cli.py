@@ -5,24 +5,19 @@ import argparse
 import json
 import math
 
-from ..bench.datasets import add_dataset_args, dataset_from_args
 from ..config import parse_memory
 from ..core.config import POLICIES
+from ..workload.datasets import add_dataset_args, dataset_from_args
+from ..workload.metrics import summary_columns
 from .cost_model import DTYPE_BYTES, DTYPES
 from .hardware import HARDWARE_NAMES
 from .models import MODELS
 
-SUMMARY_COLUMNS = (
-    ("output tok/s", "output_throughput", "{:,.0f}"),
-    ("mean TTFT ms", "mean_ttft_ms", "{:,.0f}"),
-    ("p99 TTFT ms", "p99_ttft_ms", "{:,.0f}"),
-    ("mean ITL ms", "mean_itl_ms", "{:.1f}"),
-    ("p99 ITL ms", "p99_itl_ms", "{:.1f}"),
-    ("goodput tok/s", "goodput", "{:,.0f}"),
-    ("KV use", "mean_kv_usage", "{:.0%}"),
-    ("KV waste", "kv_waste", "{:.2%}"),
-    ("preempt", "num_preemptions", "{:d}"),
-)
+# The row `sim` adds for --itl-target-ms / --ttft-target-ms: chunked prefill budgeted by the target.
+TARGET_ROW = "chunked@target"
+
+SUMMARY_COLUMNS = summary_columns(("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "p99_itl_ms",
+                                   "goodput", "mean_kv_usage", "kv_waste", "num_preemptions"))
 
 
 def _add_setup_args(p: argparse.ArgumentParser) -> None:
@@ -49,6 +44,10 @@ def add_sim_parser(sub) -> None:
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
     p.add_argument("--goodput-ttft-ms", type=float, default=2000.0)
     p.add_argument("--goodput-itl-ms", type=float, default=100.0)
+    p.add_argument("--itl-target-ms", type=float, default=None,
+                   help="add a 'chunked@target' row: each step's budget chosen to keep ITL under this")
+    p.add_argument("--ttft-target-ms", type=float, default=None,
+                   help="with no decode running, a step may take this long (default: up to the cap)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", metavar="DIR", help="write timeline and ITL PNGs here")
     add_dataset_args(p)
@@ -65,7 +64,7 @@ def add_sim_parser(sub) -> None:
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    from .metrics import SLO
+    from ..workload.metrics import SLO
     from .scenario import build_scenario
     from .simulator import simulate
 
@@ -80,6 +79,11 @@ def cmd_sim(args: argparse.Namespace) -> int:
     slo = SLO(args.goodput_ttft_ms / 1e3, args.goodput_itl_ms / 1e3)
     results = {p: simulate(requests, sc.cost, sc.sim_config(p, args.concurrency, args.request_rate, args.seed))
                for p in policies}
+    budgets = {p: sc.budget(p) for p in policies}
+    if args.itl_target_ms is not None or args.ttft_target_ms is not None:
+        results[TARGET_ROW] = simulate(requests, sc.cost, sc.sim_config(
+            "chunked", args.concurrency, args.request_rate, args.seed, args.itl_target_ms, args.ttft_target_ms))
+        budgets[TARGET_ROW] = f"itl {args.itl_target_ms} ms, ttft {args.ttft_target_ms} ms, cap {sc.target_cap()}"
     summaries = {p: r.summary(slo) for p, r in results.items()}
     plan = sc.plan
     setup = {
@@ -87,7 +91,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         "kv_cache_dtype": sc.cost.kv_dtype, "tp": args.tp, "num_blocks": plan.num_blocks,
         "kv_pool_gib": plan.kv_pool_bytes / 2**30, "weights_gib": plan.weight_bytes / 2**30,
         "kv_pool_tokens": plan.num_tokens, "max_model_len": sc.max_model_len,
-        "budgets": {p: sc.budget(p) for p in policies}, "concurrency": args.concurrency,
+        "budgets": budgets, "concurrency": args.concurrency,
         "dataset": args.dataset_name, "num_prompts": len(requests),
     }
     if args.plot:
@@ -102,10 +106,10 @@ def cmd_sim(args: argparse.Namespace) -> int:
           f"{plan.num_blocks:,} blocks x {plan.block_size} = {plan.num_tokens:,} tokens; max_model_len {sc.max_model_len:,}")
     print(f"workload: {args.dataset_name}, {len(requests)} requests, concurrency {args.concurrency or 'unlimited'}, "
           f"rate {args.request_rate}/s; budgets {setup['budgets']}")
-    header = f"{'policy':<11}" + "".join(f"{name:>15}" for name, _, _ in SUMMARY_COLUMNS)
+    header = f"{'policy':<15}" + "".join(f"{name:>15}" for name, _, _ in SUMMARY_COLUMNS)
     print(header)
     for p, s in summaries.items():
-        print(f"{p:<11}" + "".join(f"{fmt.format(s[key]):>15}" for _, key, fmt in SUMMARY_COLUMNS))
+        print(f"{p:<15}" + "".join(f"{fmt.format(s[key]):>15}" for _, key, fmt in SUMMARY_COLUMNS))
     if args.plot:
         print("plots:", ", ".join(setup["plots"]))
     return 0
@@ -211,35 +215,73 @@ def add_doctor_parser(sub) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--speculative-config", help='JSON, e.g. {"method": "eagle3", "num_speculative_tokens": 3}')
     p.add_argument("--vllm-version", help="check the speculative options against this version")
-    p.add_argument("--itl-target-ms", type=float)
-    p.add_argument("--simulate", action="store_true", help="quantify each fix with the simulator")
-    p.add_argument("--concurrency", type=int, default=None, help="--simulate: requests in flight")
+    p.add_argument("--itl-target-ms", type=float, help="p99 ITL to meet (objective); states the step budget it implies")
+    p.add_argument("--ttft-target-ms", type=float, help="p99 TTFT to meet (objective)")
+    p.add_argument("--objective", choices=("throughput", "itl"), default="throughput",
+                   help="maximise output throughput, or minimise p99 ITL, subject to the targets")
+    p.add_argument("--min-throughput", type=float, help="objective itl: output tok/s floor")
+    p.add_argument("--simulate", action="store_true",
+                   help="simulate each fix on a workload that exercises it; recommend only what wins")
+    p.add_argument("--tune", action="store_true",
+                   help="search the scheduler configuration for the workload (--dataset-name ...) and objective")
+    p.add_argument("--max-evals", type=int, default=40, help="--tune: most configurations simulated")
+    p.add_argument("--concurrency", type=int, default=None, help="--simulate/--tune: requests in flight")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="--tune: Poisson arrivals per second")
     p.add_argument("--json", action="store_true")
     add_dataset_args(p)
-    p.set_defaults(func=cmd_doctor)
+    # The tuner simulates tens of configurations: a smaller default workload than sim's.
+    p.set_defaults(func=cmd_doctor, num_prompts=128)
 
 
 DOCTOR_KEYS = ("model", "hardware", "dtype", "kv_cache_dtype", "tensor_parallel_size", "pipeline_parallel_size",
                "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
-               "enable_chunked_prefill", "enable_prefix_caching", "speculative_config", "vllm_version", "itl_target_ms")
+               "enable_chunked_prefill", "enable_prefix_caching", "speculative_config", "vllm_version", "itl_target_ms",
+               "ttft_target_ms")
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from .doctor import ServeConfig, diagnose, load_config_file, quantify
+    from .doctor import Objective, ServeConfig, diagnose, load_config_file, quantify
 
     values = load_config_file(args.config) if args.config else {}
     values.update({k: getattr(args, k) for k in DOCTOR_KEYS if getattr(args, k) is not None})
     cfg = ServeConfig.from_mapping(values)
+    objective = Objective(args.objective, cfg.itl_target_ms, cfg.ttft_target_ms, args.min_throughput)
+    if args.tune:
+        return _doctor_tune(args, cfg, objective)
     findings = diagnose(cfg)
     if args.simulate:
-        quantify(cfg, findings, dataset_from_args(args), args.concurrency)
+        findings = quantify(cfg, findings, args.concurrency, objective, args.seed)
     if args.json:
         print(json.dumps([f.to_dict() for f in findings], indent=2))
         return 0
     if not findings:
         print("no findings: the configuration is consistent")
+    if args.simulate:
+        print(f"objective: {objective.describe()}; findings ordered by simulated impact")
     for f in findings:
         print(f"[{f.severity.upper()}] {f.id}: {f.message}\n    fix: {f.fix}")
         if f.impact:
-            print(f"    simulated: {json.dumps(f.impact)}")
+            print(f"    simulated on {f.impact['workload']}:")
+            for label, key in (("before", "before"), ("after ", "after")):
+                print(f"      {label} {_impact_row(f.impact[key])}")
+    return 0
+
+
+def _impact_row(m: dict) -> str:
+    if "error" in m:
+        return f"cannot run: {m['error']}"
+    row = (f"{m['output_throughput']:>10,.1f} tok/s  p99 ITL {m['p99_itl_ms']:>9,.1f} ms  "
+           f"p99 TTFT {m['p99_ttft_ms']:>11,.0f} ms  preemptions {m['num_preemptions']:>5,}")
+    return row + (f"  refused {m['rejected']}" if m.get("rejected") else "")
+
+
+def _doctor_tune(args: argparse.Namespace, cfg, objective) -> int:
+    from .tune import tune
+
+    result = tune(cfg, dataset_from_args(args), objective, args.concurrency, args.request_rate, args.seed,
+                  args.max_evals)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    print(result.explain())
     return 0

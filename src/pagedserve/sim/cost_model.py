@@ -32,6 +32,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..core.outputs import SchedulerOutput
+from ..core.step_budget import SHORT_QUERY_LEN, StepTimeModel
+from ..core.validation import is_int
 from ..model.config import ModelConfig
 from .hardware import ALLREDUCE_LATENCY_S, Hardware, MeasuredRates, rate_at
 from .models import weight_params
@@ -103,7 +105,7 @@ class CostModel:
         check_dtype("dtype", weight_dtype)
         kv_dtype = kv_dtype or weight_dtype
         check_dtype("kv_cache_dtype", kv_dtype)
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or model.num_kv_heads % tp and tp % model.num_kv_heads:
+        if not is_int(tp) or tp < 1 or model.num_kv_heads % tp and tp % model.num_kv_heads:
             raise ValueError(f"tp must be a positive integer dividing num_kv_heads ({model.num_kv_heads}) or a "
                              f"multiple of it, got {tp!r}")
         if hardware.measured is not None and tp != 1:
@@ -178,3 +180,22 @@ class CostModel:
 
     def step_seconds(self, output: SchedulerOutput) -> float:
         return self.step(output).seconds
+
+    def step_time_model(self, max_tokens: int = 256) -> StepTimeModel:
+        """This cost model as the affine StepTimeModel a latency target budgets with: each
+        coefficient from the difference of two priced steps. The per-token cost is the secant
+        between 16 and `max_tokens` tokens, the range a budgeted step spans (a decode batch
+        plus a chunk); a 1-row step is then over-predicted, which only makes it cautious."""
+        def t(rows: list[tuple[int, int]], samples: int = 0) -> float:
+            return self.cost(rows, samples).seconds
+
+        one = t([(1, 0)])
+        low = SHORT_QUERY_LEN
+        per_token = max((t([(1, 0)] * max_tokens) - t([(1, 0)] * low)) / (max_tokens - low), 1e-12)
+        per_sample = max((t([(1, 0)], 64) - one) / 64, 0.0)
+        ctx = 4096
+        per_context = max((t([(1, ctx)]) - one) / ctx, 0.0)
+        chunk = max(max_tokens, SHORT_QUERY_LEN)
+        per_pair = max((t([(chunk, ctx)]) - t([(chunk, 0)])) / (chunk * ctx), 0.0)
+        fixed = max(t([(1, 0)] * low) - low * per_token, 0.0)
+        return StepTimeModel(fixed, per_token, per_sample, per_context, per_pair)

@@ -21,9 +21,10 @@ cpu-local has no datasheet: `sim calibrate` measures the CPU engine's own primit
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from ..paths import calibration_path
 
 COMPUTE_EFFICIENCY = 0.6
 BANDWIDTH_EFFICIENCY = 0.8
@@ -118,11 +119,6 @@ CPU_LOCAL = "cpu-local"
 HARDWARE_NAMES = (*DATASHEETS, CPU_LOCAL)
 
 
-def calibration_path() -> Path:
-    root = Path(os.environ.get("PAGEDSERVE_CACHE_DIR", Path.home() / ".cache" / "pagedserve"))
-    return root / "cpu-local.json"
-
-
 @dataclass(frozen=True, slots=True)
 class Calibration:
     """What `pagedserve sim calibrate` measured on this machine (fp32, as the CPU engine runs)."""
@@ -133,6 +129,9 @@ class Calibration:
     memory_bytes: int
     num_threads: int
     model: str  # whose shapes the rates were measured at
+    # The StepTimeModel a latency target budgets with, fitted from these rates, tagged
+    # with the model shape it holds for (engine/step_timing.py reads it back).
+    step_time_model: dict | None = None
 
     def hardware(self) -> Hardware:
         return Hardware(CPU_LOCAL, self.memory_bytes, self.rates.kv_bandwidth,

@@ -5,6 +5,8 @@ import math
 import random
 from dataclasses import asdict, dataclass
 
+from ..core.validation import require_int
+
 GB, GIB = 10**9, 2**30
 
 
@@ -45,8 +47,7 @@ def kv_size(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
             memory_bytes: int | None = None) -> KVSize:
     for name, v in (("layers", num_layers), ("kv_heads", num_kv_heads), ("head_dim", head_dim),
                     ("dtype_bytes", dtype_bytes), ("tokens", tokens)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        require_int(name, v, 1)
     per_token = num_layers * 2 * num_kv_heads * head_dim * dtype_bytes
     fit = None if memory_bytes is None else memory_bytes // per_token
     return KVSize(num_layers, num_kv_heads, head_dim, dtype_bytes, tokens, per_token, per_token * tokens,
@@ -94,8 +95,7 @@ def waste(num_requests: int, mean: float, std: float, max_len: int, block_size: 
     """Lengths ~ Normal(mean, std) rounded and clipped to [1, max_len]; each request's slots are
     reserved whole (contiguous) or in blocks as its tokens arrive (paged)."""
     for name, v in (("requests", num_requests), ("max_len", max_len), ("block_size", block_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        require_int(name, v, 1)
     if not 0 < mean <= max_len or std < 0:
         raise ValueError(f"mean must be in (0, max_len={max_len}] and std >= 0; got mean={mean}, std={std}")
     rng = random.Random(seed)

@@ -1,5 +1,5 @@
-"""How many KV blocks fit: the engine's arithmetic (pool bytes // bytes per block), with the
-pool taken from accelerator memory as vLLM does:
+"""How many KV blocks fit: the engine's own sizing (core/kv_plan.py, a draft model's
+scratch included), with the pool taken from accelerator memory as vLLM does:
 
     pool = memory * gpu_memory_utilization - weights / tp - activation reserve
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import default_kv_cache_memory
+from ..core.kv_plan import DraftKV, plan_kv_cache
 from .cost_model import DTYPE_BYTES, CostModel
 from .hardware import CPU_LOCAL
 
@@ -37,7 +38,8 @@ class MemoryPlan:
 
 
 def plan_memory(cost: CostModel, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
-                gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None) -> MemoryPlan:
+                gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None,
+                draft: DraftKV | None = None) -> MemoryPlan:
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
     m, tp, hw = cost.model, cost.tp, cost.hardware
@@ -54,8 +56,7 @@ def plan_memory(cost: CostModel, block_size: int, max_num_batched_tokens: int, m
     else:
         activations += NON_TORCH_RESERVE
         pool = int(hw.memory_bytes * gpu_memory_utilization) - weights - activations
-    bytes_per_block = kv_per_token * block_size
-    num_blocks = int(pool // bytes_per_block) if pool > 0 else 0
+    num_blocks = plan_kv_cache(pool, block_size, kv_per_token, draft).num_blocks
     if num_blocks < 1:
         raise ValueError(
             f"no room for the KV cache on {hw.name}: {hw.memory_bytes / 2**30:.1f} GiB x {gpu_memory_utilization} "

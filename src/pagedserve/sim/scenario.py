@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..core.config import whole_prompt_budget
+from ..core.config import MIN_WHOLE_PROMPT_BUDGET, whole_prompt_budget
 from ..model.config import ModelConfig
 from .cost_model import CostModel
 from .hardware import Hardware, get_hardware
@@ -34,12 +34,21 @@ class Scenario:
             return self.max_num_batched_tokens
         return whole_prompt_budget(self.max_model_len, self.max_num_seqs)
 
+    def target_cap(self) -> int:
+        """The hard cap under a latency target: the target, not the cap, sizes steps, so the
+        cap is large enough for a wave of prompts in one step (vLLM's 2,048)."""
+        return max(self.max_num_batched_tokens, MIN_WHOLE_PROMPT_BUDGET)
+
     def sim_config(self, policy: str, concurrency: int | None = None, request_rate: float = math.inf,
-                   seed: int = 0) -> SimConfig:
+                   seed: int = 0, itl_target_ms: float | None = None,
+                   ttft_target_ms: float | None = None) -> SimConfig:
+        targeted = itl_target_ms is not None or ttft_target_ms is not None
         return SimConfig(policy=policy, num_blocks=self.plan.num_blocks, block_size=self.block_size,
-                         max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.budget(policy),
+                         max_num_seqs=self.max_num_seqs,
+                         max_num_batched_tokens=self.target_cap() if targeted else self.budget(policy),
                          max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
-                         concurrency=concurrency, request_rate=request_rate, seed=seed)
+                         concurrency=concurrency, request_rate=request_rate, seed=seed,
+                         itl_target_ms=itl_target_ms, ttft_target_ms=ttft_target_ms)
 
 
 def build_scenario(model: str, hardware: str, dtype: str = "bf16", kv_cache_dtype: str | None = None,

@@ -15,10 +15,12 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..bench.datasets import BenchRequest
 from ..core import CacheConfig, Request, Scheduler, SchedulerConfig
+from ..core.step_budget import LatencyTarget, StepBudget
+from ..core.validation import is_int
+from ..workload.datasets import BenchRequest
+from ..workload.metrics import SLO, RequestRecord, summarize
 from .cost_model import CostModel
-from .metrics import SLO, RequestRecord, summarize
 
 SAMPLED_TOKEN = 1  # every simulated sample; requests ignore EOS so only lengths matter
 
@@ -36,20 +38,37 @@ class SimConfig:
     concurrency: int | None = None
     request_rate: float = math.inf
     seed: int = 0
+    # Budget each step from these latency targets (core/step_budget.py) instead of the
+    # fixed max_num_batched_tokens, which then is the cap.
+    itl_target_ms: float | None = None
+    ttft_target_ms: float | None = None
 
     def __post_init__(self) -> None:
-        if self.concurrency is not None and (isinstance(self.concurrency, bool) or self.concurrency < 1):
+        if self.concurrency is not None and (not is_int(self.concurrency) or self.concurrency < 1):
             raise ValueError(f"concurrency must be an integer >= 1 or None, got {self.concurrency!r}")
         if not self.request_rate > 0:
             raise ValueError(f"request_rate must be > 0 (inf = all at once), got {self.request_rate!r}")
 
-    def scheduler(self) -> Scheduler:
+    @property
+    def has_latency_target(self) -> bool:
+        return self.itl_target_ms is not None or self.ttft_target_ms is not None
+
+    def scheduler(self, cost: CostModel | None = None) -> Scheduler:
+        """`cost` prices the latency target's steps (needed when one is set)."""
+        budget = None
+        if self.has_latency_target:
+            if cost is None:
+                raise ValueError("a latency target needs the cost model to predict step times")
+            target = LatencyTarget(ms_to_s(self.itl_target_ms), ms_to_s(self.ttft_target_ms))
+            cap = self.max_num_batched_tokens
+            budget = StepBudget(cost.step_time_model(cap), target, cap)
         return Scheduler(
             SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
                             max_model_len=self.max_model_len, policy=self.policy,
                             long_prefill_token_threshold=self.long_prefill_token_threshold),
             CacheConfig(num_blocks=self.num_blocks, block_size=self.block_size,
                         enable_prefix_caching=self.enable_prefix_caching),
+            budget,
         )
 
 
@@ -88,6 +107,10 @@ class SimResult:
         return s
 
 
+def ms_to_s(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000
+
+
 def arrival_times(requests: Sequence[BenchRequest], request_rate: float, seed: int) -> list[float]:
     """Each request's own arrival_time if set, else Poisson arrivals at request_rate (inf: all at 0)."""
     rng = random.Random(seed)
@@ -104,7 +127,7 @@ def arrival_times(requests: Sequence[BenchRequest], request_rate: float, seed: i
 
 
 def simulate(requests: Sequence[BenchRequest], cost: CostModel, config: SimConfig) -> SimResult:
-    sched = config.scheduler()
+    sched = config.scheduler(cost)
     arrivals = arrival_times(requests, config.request_rate, config.seed)
     order = sorted(range(len(requests)), key=arrivals.__getitem__)
     slots = [0.0] * min(config.concurrency or len(requests), len(requests))  # a heap of free-slot times
@@ -133,11 +156,14 @@ def simulate(requests: Sequence[BenchRequest], cost: CostModel, config: SimConfi
         for r in out.scheduled:
             if r.is_padding:
                 padding += 1
-            elif r.num_new_tokens == 1 and r.start == len(r.request.all_token_ids) - 1:
+            elif r.is_decode:
                 decode += 1
             else:
                 prefill += r.num_new_tokens
         seconds = cost.step_seconds(out)
+        if sched.step_budget is not None:
+            sched.step_budget.observe([(r.num_new_tokens, r.start) for r in out.scheduled],
+                                      sum(r.num_samples for r in out.scheduled), seconds)
         stats = sched.stats()
         steps.append(StepRecord(t, seconds, prefill, decode, padding, stats.kv_usage, stats.kv_waste,
                                 stats.num_waiting))

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import ExitStack
+from dataclasses import replace
 
+from .cost_model import CostModel
 from .hardware import Calibration, Ladder, MeasuredRates
 
 TWIN_MODEL = "smollm2-135m"
@@ -154,22 +157,18 @@ class PrimitiveTimers:
     def __init__(self, engine):
         import torch
 
-        self.linear = self.attention = 0.0
+        self.linear = 0.0
         self._handles = []
-        self._backend = engine.runner.backend
         for module in engine.runner.model.modules():
             if isinstance(module, torch.nn.Linear):
                 self._handles.append(module.register_forward_pre_hook(self._start))
                 self._handles.append(module.register_forward_hook(self._stop))
-        inner = self._backend.forward
+        self._open = ExitStack()
+        self._attention = self._open.enter_context(engine.runner.attention_timer())
 
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = inner(*args, **kwargs)
-            self.attention += time.perf_counter() - t0
-            return out
-
-        self._backend.forward = timed
+    @property
+    def attention(self) -> float:
+        return self._attention.seconds
 
     def _start(self, module, args):
         self._t0 = time.perf_counter()
@@ -178,12 +177,12 @@ class PrimitiveTimers:
         self.linear += time.perf_counter() - self._t0
 
     def reset(self) -> None:
-        self.linear = self.attention = 0.0
+        self.linear = self._attention.seconds = 0.0
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
-        del self._backend.forward  # back to the class's method
+        self._open.close()
 
 
 def measure_step_overhead(engine, head: Ladder) -> tuple[float, float, list[tuple[int, float]]]:
@@ -213,9 +212,8 @@ def measure_step_overhead(engine, head: Ladder) -> tuple[float, float, list[tupl
             params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
             for i in range(bs):
                 engine.add_request([(i * 7919 + t * 13) % 40_000 + 100 for t in range(64)], params)
-            sched = engine.scheduler
             # Prefill them all (the budget takes a few steps of them), so only decodes are timed.
-            while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
+            while engine.scheduler.has_pending_prefills():
                 engine.step()
             decode_points.append((bs, statistics.median(timed_step(bs) for _ in range(8))))
             while engine.has_unfinished_requests():
@@ -240,6 +238,8 @@ def calibrate() -> tuple[Calibration, object, list[tuple[int, float]]]:
 
     from ..attention.cpu_backend import PREFILL_MIN_QUERY_LEN
     from ..config import default_num_threads
+    from ..core.config import MIN_WHOLE_PROMPT_BUDGET
+    from ..engine.step_timing import calibration_entry
 
     threads = default_num_threads()
     torch.set_num_threads(threads)
@@ -253,14 +253,16 @@ def calibrate() -> tuple[Calibration, object, list[tuple[int, float]]]:
         total = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
     rates = MeasuredRates(linear, head, attn_flops, kv_bandwidth, call, per_token, PREFILL_MIN_QUERY_LEN)
     cal = Calibration(rates, measure_matmul_flops(2048, 2048, 2048), overhead, total, threads, TWIN_MODEL)
+    # The engine's latency target budgets with this fit when it serves the same shapes.
+    fitted = CostModel(engine.loaded.config, cal.hardware(), "fp32").step_time_model(MIN_WHOLE_PROMPT_BUDGET)
+    cal = replace(cal, step_time_model=calibration_entry(fitted, engine.loaded.config))
     return cal, cal.save(), points
 
 
 def twin(num_prompts: int = 24, policies: list[str] | None = None, seed: int = 0) -> list[dict]:
     """Each policy through the real engine and through the simulator on cpu-local."""
-    from ..bench.datasets import random_dataset
+    from ..workload.datasets import random_dataset
     from ..sampling_params import SamplingParams
-    from .cost_model import CostModel
     from .hardware import get_hardware
     from .models import MODELS
     from .simulator import SimConfig, simulate

@@ -5,6 +5,8 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from ..core.validation import require_int
+
 METHODS = ("ngram", "draft_model")
 SELF_DRAFT_PREFIX = "self:"
 
@@ -28,9 +30,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {self.method!r}")
         for name, lo in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1), ("prompt_lookup_max", 1),
                          ("disable_by_batch_size", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-                raise ValueError(f"speculative_config.{name} must be an integer >= {lo}, got {value!r}")
+            require_int(f"speculative_config.{name}", getattr(self, name), lo)
         if self.num_speculative_tokens > 16:
             raise ValueError(f"speculative_config.num_speculative_tokens must be <= 16, got {self.num_speculative_tokens}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -51,6 +51,10 @@ class SpeculativeConfig:
         if self.model is None or not self.model.startswith(SELF_DRAFT_PREFIX):
             return None
         return int(self.model[len(SELF_DRAFT_PREFIX):])
+
+    def max_drafting_seqs(self, max_num_seqs: int) -> int:
+        """Most requests that draft in one step."""
+        return min(max_num_seqs, self.disable_by_batch_size or max_num_seqs)
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":

@@ -1,9 +1,9 @@
-"""The interface a structured-output backend implements, and the one way to get one.
+"""The interface a structured-output backend implements.
 
 A backend compiles a (kind, text) spec into a `Grammar` once; each request (each
 sample, for n > 1) then gets its own `Matcher` from it. llguidance is the one
 backend today; outlines-core or xgrammar would plug in by implementing these three
-classes and registering in `make_backend`.
+classes and registering in `registry.make_backend`.
 """
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
-
-from ..model.tokenizer import Tokenizer
 
 
 class Matcher(ABC):
@@ -53,24 +51,3 @@ class StructuredOutputBackend(ABC):
     @abstractmethod
     def compile(self, kind: str, text: str) -> Grammar:
         """Compile a spec (kind in spec.KINDS); ValueError with the reason if it is invalid."""
-
-
-BACKENDS = ("llguidance",)
-
-
-def make_backend(name: str, tokenizer: Tokenizer, vocab_size: int) -> StructuredOutputBackend:
-    """The named backend over this tokenizer, with bitmasks `vocab_size` (the model's logits) wide.
-
-    ValueError when the backend is unknown or its package is not installed, so a
-    constrained request fails like any other bad request instead of crashing.
-    """
-    if name == "llguidance":
-        try:
-            from .llguidance_backend import LLGuidanceBackend
-        except ImportError as e:
-            raise ValueError(
-                f"structured_outputs needs the llguidance package ({e}); install it with "
-                "`pip install 'pagedserve[guided]'`"
-            ) from None
-        return LLGuidanceBackend(tokenizer, vocab_size)
-    raise ValueError(f"structured output backend must be one of {list(BACKENDS)}, got {name!r}")

@@ -13,17 +13,26 @@ and only the accepted tokens plus the target's own are returned.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..attention.metadata import AttentionMetadata
+from ..attention.metadata import AttentionMetadata, slot_mapping
 from ..attention.selector import get_backend
-from ..core.outputs import SchedulerOutput
+from ..attention.timed import TimedBackend
+from ..core.kv_plan import KVCachePlan
+from ..core.outputs import ScheduledRequest, SchedulerOutput
 from ..core.request import Request
 from ..model.llama import LlamaModel
+from ..spec_decode.config import SpeculativeConfig
+from ..spec_decode.ngram import NgramProposer
 from .block_table import BlockTableRows
+from .draft_model import DraftModelProposer
+from .kv_cache import allocate_kv_caches, copy_blocks
+from .prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs, plan_prompt_logprobs
 from .row_sampling import RunnerOutput, sample_rows
 
 logger = logging.getLogger(__name__)
@@ -36,46 +45,53 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     # Rows that sample, in order, and where each one's logits rows start.
-    sampling: list  # ScheduledRequest
+    sampling: list[ScheduledRequest]
     first_logits_row: np.ndarray
-
-
-def allocate_kv_caches(
-    model: LlamaModel, num_blocks: int, block_size: int, num_extra_blocks: int = 0, num_extra_layers: int = 0
-) -> list[torch.Tensor]:
-    """Per layer [2, num_blocks, block_size, kv_heads, head_dim]; the first
-    num_extra_layers layers get num_extra_blocks more (a self-draft's scratch)."""
-    c = model.config
-    return [
-        torch.zeros((2, num_blocks + (num_extra_blocks if i < num_extra_layers else 0), block_size,
-                     c.num_kv_heads, c.head_dim), dtype=torch.float32)
-        for i in range(c.num_layers)
-    ]
+    # Rows that want prompt logprobs; their logits rows follow the sampling ones.
+    prompt_logprobs: PromptLogprobsPlan | None = None
 
 
 class ModelRunner:
+    """Owns the model's device state: KV caches, block tables, the attention backend and,
+    with a SpeculativeConfig, the proposer (n-gram, or a draft model and its scratch)."""
+
     def __init__(
         self,
         model: LlamaModel,
-        num_blocks: int,
-        block_size: int,
+        kv_plan: KVCachePlan,
         max_num_seqs: int,
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
         attention_backend: str | None = None,
-        num_scratch_blocks: int = 0,
-        num_scratch_layers: int = 0,
+        speculative: SpeculativeConfig | None = None,
+        draft: LlamaModel | None = None,
     ):
         self.model = model
-        self.block_size = block_size
+        self.block_size = bs = kv_plan.block_size
+        self_layers = speculative.self_draft_layers if speculative is not None else None
         # Scratch blocks (ids num_blocks and up) belong to the runner, not the pool: a
         # self-draft writes its unverified positions there, in the layers it runs.
-        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, num_scratch_blocks, num_scratch_layers)
+        num_scratch = kv_plan.num_scratch_blocks if self_layers is not None else 0
+        self.kv_caches = allocate_kv_caches(model, kv_plan.num_blocks, bs, num_scratch, self_layers or 0)
         self.backend = get_backend(attention_backend)
-        self.block_tables = BlockTableRows(max_num_seqs, -(-max_model_len // block_size))
+        self.block_tables = BlockTableRows(max_num_seqs, -(-max_model_len // bs))
         self.eos_token_ids = eos_token_ids
-        # A DraftModelProposer when speculating with a draft model (see spec_decode/).
-        self.drafter = None
+        self.speculative = speculative
+        self._drafter: DraftModelProposer | None = None
+        self._propose: Callable[[Sequence[Request]], list[list[int]]] | None = None
+        if speculative is not None and speculative.method == "ngram":
+            self._propose = NgramProposer(speculative.num_speculative_tokens, speculative.prompt_lookup_min,
+                                          speculative.prompt_lookup_max).propose
+        elif speculative is not None:
+            self._drafter = DraftModelProposer(
+                draft,
+                self.kv_caches[:self_layers] if self_layers is not None
+                else allocate_kv_caches(draft, kv_plan.num_blocks + kv_plan.num_scratch_blocks, bs),
+                self.block_tables, self.backend, bs, speculative.num_speculative_tokens,
+                scratch_start=kv_plan.num_blocks, max_num_seqs=speculative.max_drafting_seqs(max_num_seqs),
+                shares_target_cache=self_layers is not None,
+            )
+            self._propose = self._drafter.propose
 
     # -- per-step state ---------------------------------------------------------------
 
@@ -89,16 +105,6 @@ class ModelRunner:
                 self.block_tables.set(s.request_id, s.block_ids)
             elif s.new_block_ids:
                 self.block_tables.append(s.request_id, s.new_block_ids)
-
-    @torch.inference_mode()
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: give a request its private copy of a shared, partly filled block."""
-        if not copies:
-            return
-        src = torch.tensor([c[0] for c in copies])
-        dst = torch.tensor([c[1] for c in copies])
-        for kv in self.kv_caches:
-            kv[:, dst] = kv[:, src]
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         sched = out.scheduled
@@ -123,7 +129,7 @@ class ModelRunner:
         # Position of every token: its sequence's start plus its offset inside the step's chunk.
         positions = np.arange(total) - np.repeat(cu[:-1] - starts, num_new)
         token_rows = np.repeat(rows, num_new)
-        slots = self.block_tables.table[token_rows, positions // bs] * bs + positions % bs
+        slots = slot_mapping(self.block_tables.table, token_rows, positions, bs)
         width = int((seq_lens.max() + bs - 1) // bs) if len(sched) else 0
         block_tables = self.block_tables.table[rows, :width]
         # A row's last position, repeated n times at a fork; a speculative row's last
@@ -133,6 +139,9 @@ class ModelRunner:
         within = np.arange(cu_samples[-1]) - np.repeat(cu_samples[:-1], num_samples)
         logits_indices = np.repeat(cu[1:] - 1 - num_drafts, num_samples) + within * np.repeat(num_drafts > 0, num_samples)
         sampling = [s for s, k in zip(sched, num_samples.tolist()) if k]
+        prompt_plan = plan_prompt_logprobs(sched, cu[:-1])
+        if prompt_plan is not None:
+            logits_indices = np.concatenate([logits_indices, prompt_plan.logits_indices])
 
         meta = AttentionMetadata(
             query_start_loc=torch.from_numpy(cu),
@@ -150,27 +159,58 @@ class ModelRunner:
             logits_indices=torch.from_numpy(logits_indices),
             sampling=sampling,
             first_logits_row=cu_samples[:-1][num_samples > 0],
+            prompt_logprobs=prompt_plan,
         )
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._update_block_tables(out)
-        self._copy_blocks(out.block_copies)
+        if out.block_copies:
+            # Copy-on-write: each request gets its private copy of a shared, partly filled block.
+            copy_blocks(self.kv_caches, torch.tensor([c[0] for c in out.block_copies]),
+                        torch.tensor([c[1] for c in out.block_copies]))
         if not out.scheduled:
             return RunnerOutput({}, None, [])
         inputs = self.prepare_inputs(out)
-        prepare = getattr(self.backend, "prepare", None)
-        if prepare is not None:
-            prepare(inputs.meta)
+        self.backend.prepare(inputs.meta)
         logits = self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend, inputs.logits_indices
         )
-        if self.drafter is not None and self.drafter.needs_catch_up:
-            self.drafter.catch_up(inputs.input_ids, inputs.positions, inputs.meta)
+        if self._drafter is not None and self._drafter.needs_catch_up:
+            self._drafter.catch_up(inputs.input_ids, inputs.positions, inputs.meta)
+        prompt_logprobs = []
+        if inputs.prompt_logprobs is not None:
+            num_extra = len(inputs.prompt_logprobs.logits_indices)
+            prompt_logprobs = compute_prompt_logprobs(logits[-num_extra:], inputs.prompt_logprobs)
+            logits = logits[:-num_extra]
         if not inputs.sampling:
-            return RunnerOutput({}, None, [])
-        return sample_rows(logits, inputs.sampling, inputs.first_logits_row, self.eos_token_ids)
+            return RunnerOutput({}, None, [], prompt_logprobs)
+        result = sample_rows(logits, inputs.sampling, inputs.first_logits_row, self.eos_token_ids)
+        result.prompt_logprobs = prompt_logprobs
+        return result
 
-    def propose_drafts(self, requests: list[Request]) -> list[list[int]]:
-        """Draft-model proposals for running decodes (between steps)."""
-        return self.drafter.propose(requests)
+    @property
+    def speculates(self) -> bool:
+        return self._propose is not None
+
+    def propose_drafts(self, running: Sequence[Request]) -> dict[str, list[int]]:
+        """Proposals for the next step (between steps), by request id, for every running
+        decode with room for drafts; none while more than disable_by_batch_size requests
+        run, where verifying drafts would cost more than it saves."""
+        limit = self.speculative.disable_by_batch_size
+        if not running or (limit and len(running) > limit):
+            return {}
+        decodes = [r for r in running if r.is_decode and r.max_draft_tokens > 0]
+        return {r.request_id: drafts for r, drafts in zip(decodes, self._propose(decodes))}
+
+    @contextmanager
+    def attention_timer(self) -> Iterator[TimedBackend]:
+        """While open, the target's attention backend adds up the seconds of its calls (the
+        twin calibrates its cost model against them; a draft model keeps the plain one);
+        the plain backend is back after."""
+        timed = TimedBackend(self.backend)
+        self.backend = timed
+        try:
+            yield timed
+        finally:
+            self.backend = timed.inner

@@ -3,15 +3,19 @@ fork rows (n samples, each with its child's generator) and speculative rows (one
 sample per verified position, then the accepted prefix; see spec_decode/verify.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from ..core.outputs import ScheduledRequest
 from ..core.request import Request
-from ..spec_decode.verify import num_accepted
-from ..structured_output.logits import advance, constrain
 from ..sampling_params import token_seed
+from ..sampling_state import SamplingState
+from ..spec_decode.verify import num_accepted
+from ..structured_output.backend import Matcher
+from ..structured_output.logits import advance, constrain
+from .prompt_logprobs import PromptLogprobsChunk
 from .sampler import LogprobsTensors, SamplingRow, build_sampling_metadata, make_generator, sample
 
 
@@ -24,6 +28,8 @@ class RunnerOutput:
     # such row the request it was sampled for and the sample index (i at a fork).
     logprobs: LogprobsTensors | None
     logprob_samples: list[tuple[Request, int]]
+    # Prompt logprobs computed this step (requests with prompt_logprobs in prefill).
+    prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)
 
 
 def _generator(seed: int | None, position: int) -> torch.Generator | None:
@@ -31,7 +37,7 @@ def _generator(seed: int | None, position: int) -> torch.Generator | None:
 
 
 def sample_rows(
-    logits: torch.Tensor, sampling: list, first_logits_row: np.ndarray, eos_token_ids: tuple[int, ...] = ()
+    logits: torch.Tensor, sampling: list[ScheduledRequest], first_logits_row: np.ndarray, eos_token_ids: tuple[int, ...] = ()
 ) -> RunnerOutput:
     """Sample every logits row of a step and verify speculative rows.
 
@@ -41,11 +47,11 @@ def sample_rows(
     rows: list[SamplingRow] = []
     samples: list[tuple[Request, int]] = []
     # Grammar matcher of each logits row (structured output), and the drafts before it.
-    matchers: list = []
+    matchers: list[Matcher | None] = []
     drafts_before: list[tuple[int, ...]] = []
     for s in sampling:
         req = s.request
-        state = req.sampling
+        state: SamplingState = req.sampling
         if s.draft_token_ids:
             # Position j is sampled as if drafts 0 .. j - 1 were already output.
             history = list(req.output_token_ids)
@@ -87,7 +93,7 @@ def sample_rows(
     }
     if constrained:
         for s in sampling:
-            state = s.request.sampling
+            state: SamplingState = s.request.sampling
             kept = sampled[s.request_id]
             if s.num_samples > 1 and not s.draft_token_ids:
                 for matcher, token in zip(state.fork_matchers, kept):

@@ -312,7 +312,7 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
     logprobs = None
     if raw_logprobs is not None:
         rows = metadata.logprob_rows
-        logprobs = _gather_logprobs(raw_logprobs, sampled[rows], rows, metadata.max_num_logprobs)
+        logprobs = gather_logprobs(raw_logprobs, sampled[rows], rows, metadata.max_num_logprobs)
     return SamplerOutput(sampled, logprobs)
 
 
@@ -459,7 +459,7 @@ def _race_sorted(
     return token_ids.gather(1, choice).squeeze(1), spilled
 
 
-def _gather_logprobs(
+def gather_logprobs(
     raw_logprobs: torch.Tensor, sampled: torch.Tensor, rows: torch.Tensor, num_top: int
 ) -> LogprobsTensors:
     sampled_logprobs = raw_logprobs.gather(1, sampled.unsqueeze(1))

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from ...config import EngineConfig, parse_memory
 from ...sampling_params import MAX_LOGPROBS
 
+# The tool-call formats (tool_parsers.TOOL_PARSERS; named here so the CLI does not import the server).
+TOOL_CALL_PARSERS = ("hermes",)
+
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 
 
@@ -29,7 +32,10 @@ class ServerConfig:
     max_request_body_size: int = 4 << 20
     shutdown_timeout: float = 30.0
     uvicorn_log_level: str = "info"
+    tool_call_parser: str | None = "hermes"  # None: requests with tools get a 400
     disable_uvicorn_access_log: bool = False
+    dashboard: bool = True
+    dashboard_show_prompts: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -41,6 +47,8 @@ class ServerConfig:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {list(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty")
 
@@ -60,7 +68,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use; responses carry the first (default: the model's name)")
     g.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize (or set {API_KEY_ENV})")
+                   help=f"require 'Authorization: Bearer KEY' on every route but /health (or set {API_KEY_ENV})")
     g.add_argument("--allowed-origins", nargs="+", default=[], help="CORS origins to allow (default: CORS off)")
     g.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
                    help="answer 429 once this many requests wait for the engine")
@@ -72,7 +80,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     g.add_argument("--uvicorn-log-level", default=d.uvicorn_log_level,
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--tool-call-parser", default=d.tool_call_parser, choices=[*TOOL_CALL_PARSERS, "none"],
+                   help="how models write tool calls, for tools / tool_choice (default hermes: <tool_call> JSON); "
+                        "'none' refuses requests with tools")
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log one line per HTTP request")
+    g.add_argument("--no-dashboard", dest="dashboard", action="store_false",
+                   help="do not serve the live engine page at /dashboard")
+    g.add_argument("--dashboard-show-prompts", action="store_true",
+                   help="show the start of each request's prompt on /dashboard (off: ids and token counts only)")
     EngineConfig.add_cli_args(parser)
 
 
@@ -91,4 +106,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         shutdown_timeout=args.shutdown_timeout,
         uvicorn_log_level=args.uvicorn_log_level,
         disable_uvicorn_access_log=args.disable_uvicorn_access_log,
+        dashboard=args.dashboard,
+        dashboard_show_prompts=args.dashboard_show_prompts,
+        tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
     )

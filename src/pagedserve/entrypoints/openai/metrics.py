@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ...engine.async_engine import AsyncEngine, StepStats
+from ...spec_decode.metrics import SpecDecodeStats
 
 PREFIX = "pagedserve:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -47,22 +48,27 @@ class _EngineCollector(Collector):
             metric = family(PREFIX + name, doc, labels=labels)
             metric.add_metric([self._model], value)
             yield metric
+        if snap.kernels:
+            kernels = GaugeMetricFamily(PREFIX + "kernels_info", "Which kernel path runs (native or torch).",
+                                        labels=["model_name", "kernels"])
+            kernels.add_metric([self._model, snap.kernels], 1)
+            yield kernels
         if snap.spec_decode is not None:
             yield from self._spec_decode(snap.spec_decode)
 
-    def _spec_decode(self, spec: dict) -> Iterator[Metric]:
-        for name, doc, key in (
-            ("spec_decode_num_drafts", "Speculative drafts (one request's proposals in one step).", "spec_num_drafts"),
-            ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", "spec_num_draft_tokens"),
-            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_num_accepted_tokens"),
+    def _spec_decode(self, spec: SpecDecodeStats) -> Iterator[Metric]:
+        for name, doc, value in (
+            ("spec_decode_num_drafts", "Speculative drafts (one request's proposals in one step).", spec.num_drafts),
+            ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", spec.num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
         ):
             metric = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            metric.add_metric([self._model], spec[key])
+            metric.add_metric([self._model], value)
             yield metric
         per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                       "Drafts whose tokens up to this position were all accepted.",
                                       labels=["model_name", "position"])
-        for pos, count in enumerate(spec["spec_accepted_per_pos"]):
+        for pos, count in enumerate(spec.accepted_per_pos):
             per_pos.add_metric([self._model, str(pos)], count)
         yield per_pos
 

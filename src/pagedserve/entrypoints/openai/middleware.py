@@ -5,6 +5,7 @@ and disconnect messages pass through untouched.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import posixpath
 
@@ -12,10 +13,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .protocol import APIError
 
-# The only paths served without a key. Everything else needs one, whatever the
-# route table says: deny by default, so a new route or an odd spelling of an old
-# one (//v1/..., /V1/..., /v1/./...) cannot be reached without the key.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+# The only path served without a key (load balancers probe it without credentials).
+# Everything else needs one, /metrics and /openapi.json included, whatever the route
+# table says: deny by default, so a new route or an odd spelling of an old one
+# (//v1/..., /V1/..., /v1/./..., %2F) cannot be reached without the key. The Host
+# header plays no part.
+OPEN_PATHS = frozenset({"/health"})
 
 
 def normalize_path(path: str) -> str:
@@ -27,7 +30,7 @@ def normalize_path(path: str) -> str:
 class APIKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
-        self._key = api_key.encode("utf-8")
+        self._key_digest = _digest(api_key.encode("utf-8"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and normalize_path(scope["path"]) not in OPEN_PATHS and not self._authorized(scope):
@@ -41,9 +44,15 @@ class APIKeyMiddleware:
         for name, value in scope["headers"]:
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
-                # compare_digest takes as long for any wrong key of a given length.
-                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+                # Digests of equal length, compared in constant time: neither the key's
+                # bytes nor its length show in how long a wrong key takes to refuse.
+                matches = hmac.compare_digest(_digest(token.strip()), self._key_digest)
+                return scheme.lower() == b"bearer" and matches
         return False
+
+
+def _digest(value: bytes) -> bytes:
+    return hashlib.sha256(value).digest()
 
 
 class BodyLimitMiddleware:

@@ -1,24 +1,36 @@
 """The OpenAI wire format: request bodies in, SamplingParams out, errors in OpenAI's shape.
 
-Request models are strict (no "5" for 5, no true for 1) and ignore unknown fields.
-Value ranges are not checked here: SamplingParams owns those checks, and its
-ValueError messages start with the parameter name, which becomes the error's
-`param`.
+Request models are strict (no "5" for 5, no true for 1), ignore unknown fields, and
+declare every static bound, so they double as the published OpenAPI schema. What
+passes them is then checked again by SamplingParams (whose ValueError messages start
+with the parameter name, which becomes the error's `param`) and against the model
+and the server's flags.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import Iterable
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, WithJsonSchema
 from starlette.responses import JSONResponse
 
-from ...sampling_params import SamplingParams
+from ...core.validation import is_int
+from ...sampling_params import MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGPROBS, SamplingParams
 from ...structured_output.spec import StructuredOutputs
 
 MAX_STOP_STRINGS = 16
+# Each stop string is searched for in the new text of every step; a bound keeps that cheap.
+MAX_STOP_STRING_CHARS = 1000
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_CHOICES = 1024
+# A constraint's text (schema, regex, grammar, choices) is compiled on every cache miss;
+# beyond this size it is refused before compiling (the compile timeout catches the rest).
+MAX_CONSTRAINT_CHARS = 64 * 1024
 _MAX_MESSAGE_CHARS = 1000
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -62,6 +74,31 @@ def bad_request(error: ValueError | str, param: str | None = None) -> APIError:
 
 
 # -- request bodies ------------------------------------------------------------------------
+#
+# The models below are both the parser and the published schema (/openapi.json): every
+# bound a field declares here is enforced by pydantic and appears in the document, so the
+# two cannot disagree. Bounds that depend on the model or on server flags (the context
+# length, the vocabulary, --max-n, --max-logprobs) are checked after parsing and named in
+# the field descriptions.
+
+_NonEmptyStr = Annotated[str, Field(min_length=1)]
+_TokenId = Annotated[int, Field(ge=0)]
+_Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+_Penalty = Annotated[float, Field(ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY, allow_inf_nan=False)]
+_LOGIT_BIAS_KEY = r"^[0-9]+$"
+_LogitBias = Annotated[
+    dict[Annotated[str, StringConstraints(pattern=_LOGIT_BIAS_KEY)],
+         Annotated[float, Field(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS, allow_inf_nan=False)]],
+    Field(max_length=MAX_LOGIT_BIAS_ENTRIES),
+    # pydantic writes key patterns as patternProperties without closing the object.
+    WithJsonSchema({"type": "object", "maxProperties": MAX_LOGIT_BIAS_ENTRIES, "additionalProperties": False,
+                    "patternProperties": {_LOGIT_BIAS_KEY: {"type": "number", "minimum": -MAX_ABS_LOGIT_BIAS,
+                                                            "maximum": MAX_ABS_LOGIT_BIAS}}}),
+]
+_StopStrings = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]],
+                         Field(max_length=MAX_STOP_STRINGS)]
+_ConstraintText = Annotated[str, Field(min_length=1, max_length=MAX_CONSTRAINT_CHARS)]
+_JSON_OBJECT = {"type": "object"}
 
 
 class _Model(BaseModel):
@@ -75,34 +112,36 @@ class StreamOptions(_Model):
 class _GenerationRequest(_Model):
     """Fields both endpoints share; None means "not given" everywhere."""
 
-    model: str | None = None
-    n: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
+    model: str | None = Field(None, description="One of the names /v1/models lists; default: the first.")
+    n: Annotated[int, Field(ge=1, description="Samples per prompt; at most --max-n (default 16).")] | None = None
+    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False, description="0 = greedy.")] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    top_k: Annotated[int, Field(ge=-1, description="0 or -1 = off.")] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
     seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    presence_penalty: _Penalty | None = None
+    frequency_penalty: _Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False, description="1 = off.")] | None = None
+    logit_bias: _LogitBias | None = Field(None, description="Token id (as a string) -> bias; ids below the "
+                                                            "vocabulary size.")
+    stop: Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)] | _StopStrings | None = None
+    stop_token_ids: Annotated[list[_TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Annotated[int, Field(ge=0, description="At most max_tokens.")] = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM extras, passed to the engine.
-    priority: int = 0
+    priority: int = Field(0, description="Lower runs first under --scheduling-policy priority.")
     cache_salt: str | None = None
-    # vLLM's structured-output fields (the guided_* ones are its older spelling).
-    guided_json: str | dict[str, Any] | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    structured_outputs: dict[str, Any] | None = None
+    # vLLM's structured-output fields (the guided_* ones are its older spelling); at most one may be given.
+    guided_json: _ConstraintText | dict[str, Any] | None = None
+    guided_regex: _ConstraintText | None = None
+    guided_choice: Annotated[list[_NonEmptyStr], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    guided_grammar: _ConstraintText | None = Field(None, description="A Lark grammar (or GBNF).")
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="Exactly one of json, regex, choice, grammar, json_object.")
 
     @property
     def include_usage(self) -> bool:
@@ -120,30 +159,71 @@ class _GenerationRequest(_Model):
         return out
 
 
+_PROMPT_SCHEMA = {
+    "description": "A string, a list of strings, a list of token ids, or a list of token-id lists; each prompt "
+                   "non-empty, token ids below the vocabulary size, prompt tokens plus max_tokens within the "
+                   "context length, at most --max-queued-requests prompts.",
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+        {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+        {"type": "array", "minItems": 1,
+         "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}},
+    ],
+}
+
+
 class CompletionRequest(_GenerationRequest):
-    prompt: Any = None  # a string, strings, token ids or lists of token ids: see `prompts`
-    max_tokens: int | None = None  # OpenAI's default for completions: 16
-    logprobs: int | None = None
+    # Checked by `completion_prompts`, whose messages say which form was wrong; the schema says the same.
+    prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]
+    max_tokens: Annotated[int, Field(ge=0, description="Default 16; 0 only with echo (scores the prompt).")] | None = None
+    logprobs: _Logprobs | None = Field(None, description="At most --max-logprobs.")
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: int | None = Field(None, description="Only n itself is supported.")
+    suffix: Annotated[str, Field(max_length=0, description="Not supported: must be empty.")] | None = None
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(_Model):
-    role: str
-    content: str | list[dict[str, Any]] | None = None  # text parts are checked when rendering
+    role: str = Field(min_length=1, description="system, user, assistant, or another role the chat template knows.")
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant's calls, checked when rendering (tools.py)
+    tool_call_id: str | None = None  # a tool result's call
+
+
+_RESPONSE_FORMAT_SCHEMA = {
+    "oneOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "properties": {
+            "type": {"const": "json_schema"},
+            "json_schema": {"type": "object", "required": ["schema"], "properties": {
+                "name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}}},
+        }},
+    ],
+}
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None  # default: up to the context length
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1, description="Default: the room left in the context.")] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, description="Takes precedence over max_tokens.")] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    chat_template: Any = None  # refused: templates are server-side code
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: _Logprobs | None = Field(None, description="Needs logprobs; at most --max-logprobs.")
+    # Refused with a message saying why: templates are server-side code.
+    chat_template: Annotated[Any, WithJsonSchema({"type": "null", "description": "Not accepted from requests."})] = None
+    # Checked by tools.py, whose messages name the tool at fault.
+    tools: Annotated[list[Any], WithJsonSchema({
+        "type": "array", "items": {"type": "object"},
+        "description": "Function tools: {type: function, function: {name, description, parameters}}."})] | None = None
+    tool_choice: Annotated[str | dict[str, Any], Field(
+        description="none, auto, required, or {type: function, function: {name}}.")] | None = None
+    parallel_tool_calls: bool = True
+    response_format: Annotated[dict[str, Any], WithJsonSchema(_RESPONSE_FORMAT_SCHEMA)] | None = None
 
     def structured_output_fields(self) -> dict[str, dict[str, Any]]:
         out = super().structured_output_fields()
@@ -165,22 +245,30 @@ def _response_format(value: dict[str, Any] | None) -> dict[str, Any] | None:
         if not isinstance(schema, dict) or not isinstance(schema.get("schema"), dict):
             raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
                            param="response_format")
+        if not isinstance(schema.get("name", ""), str):
+            # The published schema says so; a null name must not pass silently.
+            raise APIError(400, "response_format.json_schema.name must be a string", param="response_format")
         return {"json": schema["schema"]}
     raise APIError(400, f"response_format.type must be one of text, json_object, json_schema, got {kind!r}",
                    param="response_format")
 
 
 class TokenizeRequest(_Model):
+    """Exactly one of prompt and messages."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    # Not nullable, so that "exactly one given" is what the schema's oneOf says.
+    prompt: str = None  # type: ignore[assignment]
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] = None  # type: ignore[assignment]
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Model):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[_TokenId] = Field(description="Token ids below the vocabulary size.")
 
 
 _FIELD_NAMES = frozenset(
@@ -195,17 +283,52 @@ M = TypeVar("M", bound=_Model)
 def parse_body(body: bytes, model: type[M]) -> M:
     """Decode a JSON object body into `model`, or raise a 400 APIError."""
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_float=_json_number)
     except json.JSONDecodeError as e:
         raise APIError(400, f"the body is not valid JSON: {e.msg} at position {e.pos}") from None
     except (ValueError, RecursionError):
         raise APIError(400, "the body is not valid JSON") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the body must be a JSON object, got a JSON {type(data).__name__}")
+    _refuse_lone_surrogates(data)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
+
+
+def _json_number(text: str) -> int | float:
+    """A JSON number with a fraction part: 2.0 is an int (JSON Schema counts it as an
+    integer, and some clients write counts that way); 2.5 stays a float, which strict
+    parsing refuses where an integer is due."""
+    value = float(text)
+    return int(value) if value.is_integer() else value
+
+
+def _refuse_lone_surrogates(data: dict[str, Any]) -> None:
+    """400 for a string holding an unpaired UTF-16 surrogate ("\\ud800" is valid JSON but
+    not Unicode text: no tokenizer or template can take it)."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        # Only now look for the field, so the common case costs one pass; a field whose
+        # name is not Unicode cannot be named in a (UTF-8) response.
+        param = next((key for key, value in data.items()
+                      if not _has_lone_surrogate(key) and _has_lone_surrogate(json.dumps(value, ensure_ascii=False))),
+                     None)
+        raise APIError(400, f"{param or 'the body'} contains an unpaired UTF-16 surrogate, which is not valid "
+                            "Unicode text", param=param) from None
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+_LOCATION_NOISE = frozenset({"body", "query", "path", "header", "str", "int", "float", "bool", "dict", "list"})
 
 
 def validation_error(error: ValidationError | Any) -> APIError:
@@ -214,7 +337,10 @@ def validation_error(error: ValidationError | Any) -> APIError:
     if not errors:
         return APIError(400, "invalid request")
     first = errors[0]
-    loc = [part for part in first.get("loc", ()) if part not in ("body", "query", "path", "header")]
+    # pydantic names union members in the location ("stop.list[constrained-str].0"); clients
+    # know only field names and indices.
+    loc = [part for part in first.get("loc", ())
+           if isinstance(part, int) or (part.isidentifier() and part not in _LOCATION_NOISE)]
     param = str(loc[0]) if loc else None
     path = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(loc))
     return APIError(400, f"{path or 'body'}: {first.get('msg', 'invalid value')}", param=param)
@@ -225,20 +351,16 @@ def validation_error(error: ValidationError | Any) -> APIError:
 Prompt = str | list[int]
 
 
-def _is_token_id(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def completion_prompts(prompt: Any) -> list[Prompt]:
     """OpenAI's prompt forms as a list: one text, texts, one token-id list, or several."""
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt:
-        if all(_is_token_id(t) for t in prompt):
+        if all(is_int(t) for t in prompt):
             return [prompt]
         if all(isinstance(p, str) for p in prompt):
             return list(prompt)
-        if all(isinstance(p, list) and all(_is_token_id(t) for t in p) for p in prompt):
+        if all(isinstance(p, list) and all(is_int(t) for t in p) for p in prompt):
             return list(prompt)
     if prompt is None:
         raise APIError(400, "prompt is required", param="prompt")
@@ -272,11 +394,16 @@ def structured_outputs(req: _GenerationRequest) -> StructuredOutputs | None:
     if param is None:
         return None
     try:
-        return StructuredOutputs(**req.structured_output_fields()[param])
+        spec = StructuredOutputs(**req.structured_output_fields()[param])
     except TypeError:
         raise APIError(400, f"{param} takes only json, regex, choice, grammar and json_object", param=param) from None
     except ValueError as e:
         raise APIError(400, str(e), param=param) from None
+    size = len(spec.key[1])
+    if size > MAX_CONSTRAINT_CHARS:
+        raise APIError(400, f"{param} is {size} characters long; this server compiles at most "
+                            f"{MAX_CONSTRAINT_CHARS}", param=param)
+    return spec
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,6 +411,26 @@ class RequestLimits:
     max_n: int
     max_logprobs: int
     vocab_size: int
+    # Longer prompt text cannot fit the context whatever it tokenises to (see `max_prompt_chars`),
+    # so it is refused before spending the tokenizer's time on it.
+    max_prompt_chars: int
+
+
+def max_prompt_chars(vocabulary: Iterable[str], max_context_len: int) -> int:
+    """Characters of text that could at most fit `max_context_len` tokens: no token covers
+    more characters than its vocabulary spelling has (byte-level spellings have one
+    character per byte, SentencePiece ones one per character, byte-fallback ones more).
+    Characters the tokenizer drops break the bound (SmolLM2's has no token for some
+    control bytes): text made almost only of those can be refused though it fits, a
+    400 for input no client means to send."""
+    return max_context_len * max(map(len, vocabulary), default=1)
+
+
+def check_prompt_chars(text: str, limits: RequestLimits, max_context_len: int, param: str) -> None:
+    if len(text) > limits.max_prompt_chars:
+        raise APIError(400, f"{param} has {len(text)} characters, more than any text that fits this model's "
+                            f"maximum context length of {max_context_len} tokens ({limits.max_prompt_chars} "
+                            "characters at most)", param=param, code="context_length_exceeded")
 
 
 def sampling_params(req: _GenerationRequest, limits: RequestLimits, *, max_tokens: int | None,
@@ -296,8 +443,6 @@ def sampling_params(req: _GenerationRequest, limits: RequestLimits, *, max_token
         raise APIError(400, f"{logprobs_param} must be at most {limits.max_logprobs} on this server, got {logprobs}",
                        param=logprobs_param)
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
-    if stop is not None and len(stop) > MAX_STOP_STRINGS:
-        raise APIError(400, f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", param="stop")
     given = {
         "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
@@ -324,10 +469,17 @@ def completion_sampling_params(req: CompletionRequest, limits: RequestLimits) ->
         raise APIError(400, "best_of is not supported (it must equal n when given)", param="best_of")
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", param="echo")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    return sampling_params(req, limits, max_tokens=max_tokens, logprobs=req.logprobs, logprobs_param="logprobs")
+    if max_tokens == 0:
+        if not req.echo:
+            raise APIError(400, "max_tokens must be >= 1, or 0 with echo (to score the prompt)", param="max_tokens")
+        # The engine always samples one token; the server drops it (CompletionServing).
+        max_tokens = 1
+    params = sampling_params(req, limits, max_tokens=max_tokens, logprobs=req.logprobs, logprobs_param="logprobs")
+    if req.echo and req.logprobs is not None:
+        # Echoed prompts carry their tokens' logprobs too, as OpenAI's legacy API did.
+        params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+    return params
 
 
 def chat_sampling_params(req: ChatCompletionRequest, limits: RequestLimits) -> SamplingParams:
@@ -335,19 +487,9 @@ def chat_sampling_params(req: ChatCompletionRequest, limits: RequestLimits) -> S
     if req.chat_template is not None:
         raise APIError(400, "chat_template is not accepted from requests; the server uses the model's template",
                        param="chat_template")
-    if req.tools:
-        raise APIError(400, "tools are not supported by this server", param="tools")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    if max_tokens is not None and max_tokens < 1:
-        raise APIError(400, f"{param} must be >= 1, got {max_tokens}", param=param)
     return sampling_params(req, limits, max_tokens=max_tokens, logprobs=logprobs, logprobs_param="top_logprobs")
 
-
-def messages_as_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """What the chat template sees: role and content always, name when given."""
-    return [{"role": m.role, "content": m.content, **({"name": m.name} if m.name is not None else {})}
-            for m in messages]

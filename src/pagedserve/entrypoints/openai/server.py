@@ -24,19 +24,26 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from ... import __version__
 from ...engine.async_engine import AsyncEngine, EngineDeadError
 from ...engine.llm_engine import LLMEngine
 from .args import ServerConfig
+from .dashboard import install_dashboard
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .middleware import APIKeyMiddleware, BodyLimitMiddleware
-from .protocol import APIError, DetokenizeRequest, RequestLimits, TokenizeRequest, check_token_ids, \
-    messages_as_dicts, parse_body, validation_error
-from .serving import Admission, OpenAIServing
+from .openapi import ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse, \
+    DetokenizeResponse, ModelList, TokenizeResponse, VersionResponse, body_responses, build_openapi, \
+    generation_responses, get_responses, request_body
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestLimits, \
+    TokenizeRequest, check_token_ids, max_prompt_chars, parse_body, validation_error
+from .serving import Admission, OpenAIServing, engine_error
 from .serving_chat import ChatServing
 from .serving_completions import CompletionServing
+from .serving_responses import ResponsesServing
+from .tool_parsers import TOOL_PARSERS
+from .tools import template_messages
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -55,9 +62,14 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     metrics.watch(async_engine)
     admission = Admission(async_engine, config.max_queued_requests)
     executor = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="pagedserve-tokenize")
-    limits = RequestLimits(config.max_n, config.max_logprobs, async_engine.vocab_size)
+    vocabulary = engine.tokenizer.backend.get_vocab(with_added_tokens=True)
+    limits = RequestLimits(config.max_n, config.max_logprobs, async_engine.vocab_size,
+                           max_prompt_chars(vocabulary, async_engine.max_context_len))
     args = (async_engine, admission, limits, model_names, executor)
-    completions, chat, common = CompletionServing(*args), ChatServing(*args), OpenAIServing(*args)
+    tool_parser = TOOL_PARSERS[config.tool_call_parser] if config.tool_call_parser else None
+    completions, common = CompletionServing(*args), OpenAIServing(*args)
+    chat = ChatServing(*args, tool_parser=tool_parser)
+    responses = ResponsesServing(*args, tool_parser=tool_parser)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -69,20 +81,27 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             await async_engine.close()
             executor.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan, redoc_url=None,
+                  description="An OpenAI-compatible LLM server.", separate_input_output_schemas=False)
     app.state.engine = async_engine
     app.state.admission = admission
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
+              responses=generation_responses(CompletionResponse, CompletionChunk))
     async def create_completion(request: Request) -> Response:
         return await completions.create(request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest),
+              responses=generation_responses(ChatCompletionResponse, ChatCompletionChunk))
     async def create_chat_completion(request: Request) -> Response:
         return await chat.create(request)
 
-    @app.get("/v1/models")
+    # Not yet in the OpenAPI document (its request and event models are not written out there).
+    @app.post("/v1/responses", include_in_schema=False)
+    async def create_response(request: Request) -> Response:
+        return await responses.create(request)
+
+    @app.get("/v1/models", responses=get_responses(ModelList))
     async def list_models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "pagedserve",
@@ -90,7 +109,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             for name in model_names
         ]})
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest), responses=body_responses(TokenizeResponse))
     async def tokenize(request: Request) -> JSONResponse:
         req = parse_body(await request.body(), TokenizeRequest)
         common.resolve_model(req.model)
@@ -99,29 +118,37 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         if req.prompt is not None:
             tokens = await common.off_loop(common.tokenizer.encode, req.prompt, req.add_special_tokens)
         else:
-            tokens = await common.off_loop(chat.render, messages_as_dicts(req.messages), req.add_generation_prompt)
+            tokens = await common.off_loop(chat.render, template_messages(req.messages), req.add_generation_prompt)
         return JSONResponse({"count": len(tokens), "max_model_len": async_engine.max_context_len, "tokens": tokens})
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest),
+              responses=body_responses(DetokenizeResponse))
     async def detokenize(request: Request) -> JSONResponse:
         req = parse_body(await request.body(), DetokenizeRequest)
         common.resolve_model(req.model)
         check_token_ids(req.tokens, async_engine.vocab_size, "tokens")
         return JSONResponse({"prompt": await common.off_loop(common.tokenizer.decode, req.tokens)})
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={
+        200: {"description": "Serving."},
+        503: {"description": "Not serving: shutting down, or the engine stopped or stalled."}})
     async def health() -> Response:
         ok = async_engine.is_healthy and not admission.draining
         return Response(status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses=get_responses(description="Prometheus text format."))
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/version")
+    @app.get("/version", responses=get_responses(VersionResponse))
     async def version() -> JSONResponse:
         return JSONResponse({"version": __version__})
 
+    if config.dashboard:
+        install_dashboard(app, async_engine, model_names[0], config.dashboard_show_prompts)
+    document = build_openapi(app)
+    app.openapi = lambda: document  # type: ignore[method-assign]  # built once; the routes are fixed
     _add_error_handlers(app)
     # Added innermost first: requests pass CORS, then the key check, then the body limit.
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_size)
@@ -149,7 +176,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return APIError(503, str(exc), code="engine_unavailable").response()
+        return engine_error(exc).response()
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -185,6 +212,7 @@ class GracefulServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._skip_wait: asyncio.Event | None = None
         self._draining = False
+        self.exit_code = 0
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -201,6 +229,13 @@ class GracefulServer(uvicorn.Server):
         self._draining = True
         logger.info("received %s", signal.Signals(sig).name)
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit()))
+
+    def exit_after_crash(self, error: BaseException) -> None:
+        """The engine thread crashed (its requests already failed): stop serving and exit
+        non-zero, so a supervisor restarts the server instead of it answering 503 forever."""
+        logger.error("the engine crashed (%s: %s); shutting down with exit code 1", type(error).__name__, error)
+        self.exit_code = 1
+        self.should_exit = True
 
     async def _drain_then_exit(self) -> None:
         try:
@@ -224,5 +259,7 @@ def run_server(config: ServerConfig) -> int:
         # Only sockets still open after the drain are waited for; responses have ended by then.
         timeout_graceful_shutdown=5,
     )
-    GracefulServer(uv_config, app, config.shutdown_timeout).run()
-    return 0
+    server = GracefulServer(uv_config, app, config.shutdown_timeout)
+    async_engine.on_crash = server.exit_after_crash
+    server.run()
+    return server.exit_code

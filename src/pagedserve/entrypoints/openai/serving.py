@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ...engine.async_engine import AsyncEngine, EngineDeadError, GenerationRequest, RequestDelta, RequestStream, \
+from ...engine.async_engine import AsyncEngine, EngineCrashedError, EngineDeadError, GenerationRequest, RequestDelta, RequestStream, \
     SampleDelta
 from ...outputs import TokenLogprobs
 from ...sampling_params import SamplingParams
@@ -278,7 +278,7 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(e) from None
         except EngineDeadError as e:
-            raise APIError(503, str(e), code="engine_unavailable") from None
+            raise engine_error(e) from None
         return stream
 
 
@@ -302,5 +302,26 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
+def engine_error(error: EngineDeadError) -> APIError:
+    """500 for requests a crashed engine took down with it, 503 when it is shutting down."""
+    if isinstance(error, EngineCrashedError):
+        return APIError(500, str(error), code="engine_crashed")
+    return APIError(503, str(error), code="engine_unavailable")
+
+
+async def collect(stream: RequestStream, tracker: ChoiceTracker) -> dict[str, tuple[TokenLogprobs | None, ...]]:
+    """Run a non-streamed response's requests to their end into `tracker` (its engine
+    error if the engine dies); the prompt logprobs of the requests that asked, by request id."""
+    prompt_logprobs = {}
+    try:
+        async for delta in stream:
+            tracker.update(delta)
+            if delta.prompt_logprobs is not None:
+                prompt_logprobs[delta.request_id] = delta.prompt_logprobs
+    except EngineDeadError as e:
+        raise engine_error(e) from None
+    return prompt_logprobs
+
+
 def engine_failure_event(error: EngineDeadError) -> str:
-    return sse(APIError(503, str(error), code="engine_unavailable").body())
+    return sse(engine_error(error).body())

@@ -10,10 +10,10 @@ from starlette.responses import JSONResponse, Response
 
 from ...engine.async_engine import EngineDeadError, GenerationRequest, RequestStream, SampleDelta
 from ...outputs import TokenLogprobs
-from .protocol import APIError, CompletionRequest, Prompt, check_token_ids, completion_prompts, \
+from .protocol import APIError, CompletionRequest, Prompt, check_prompt_chars, check_token_ids, completion_prompts, \
     completion_sampling_params, structured_output_param
-from .serving import SSE_DONE, ChoiceTracker, OpenAIServing, ResponseMeta, SSEResponse, engine_failure_event, \
-    finite_logprob, sse, until_disconnected
+from .serving import SSE_DONE, ChoiceTracker, OpenAIServing, ResponseMeta, SSEResponse, collect, \
+    engine_failure_event, finite_logprob, sse, until_disconnected
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +41,14 @@ class CompletionServing(OpenAIServing):
                 for rid, p in zip(ids, prepared)
             ])
             tracker = ChoiceTracker(ids, params.n, sum(len(p.token_ids) for p in prepared), keep_output=not req.stream)
+            # max_tokens 0 (prompt scoring): the one token the engine samples is not shown.
+            prompt_only = req.max_tokens == 0
             if req.stream:
-                return SSEResponse(self._events(stream, tracker, meta, prepared, params.n, req.include_usage), seat)
-            return await until_disconnected(request, self._respond(stream, tracker, meta, prepared, params.n))
+                scored = params.prompt_logprobs is not None
+                return SSEResponse(self._events(stream, tracker, meta, prepared, params.n, req.include_usage,
+                                                prompt_only, scored), seat)
+            return await until_disconnected(request, self._respond(stream, tracker, meta, prepared, params.n,
+                                                                   prompt_only))
 
     def _prepare(self, prompts: Sequence[Prompt], echo: bool) -> list[_Prepared]:
         """Tokenise (or check) each prompt; runs in the thread pool."""
@@ -52,6 +57,7 @@ class CompletionServing(OpenAIServing):
         for i, prompt in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             if isinstance(prompt, str):
+                check_prompt_chars(prompt, self.limits, self.engine.max_context_len, param)
                 token_ids = self.tokenizer.encode(prompt) if prompt else []
                 echo_text = prompt
             else:
@@ -64,33 +70,59 @@ class CompletionServing(OpenAIServing):
         return out
 
     async def _respond(self, stream: RequestStream, tracker: ChoiceTracker, meta: ResponseMeta,
-                       prepared: list[_Prepared], n: int) -> Response:
-        try:
-            async for delta in stream:
-                tracker.update(delta)
-        except EngineDeadError as e:
-            raise APIError(503, str(e), code="engine_unavailable") from None
+                       prepared: list[_Prepared], n: int, prompt_only: bool) -> Response:
+        prompt_logprobs = await collect(stream, tracker)
+        ids = [f"{meta.id}-{i}" for i in range(len(prepared))]
         choices = []
         for choice in tracker.choices:
-            echo = prepared[choice.index // n].echo
+            p = choice.index // n
+            echo = prepared[p].echo
+            if prompt_only:
+                choice.text, choice.token_ids, choice.logprobs, choice.num_tokens = [], [], [], 0
             text = "".join(choice.text)
             logprobs = None
-            if choice.logprobs:
+            if ids[p] in prompt_logprobs:
+                logprobs = self._prompt_logprobs(prompt_logprobs[ids[p]], prepared[p].token_ids)
+                logprobs = _join(logprobs, _logprobs(choice.logprobs, choice.token_ids, len(echo)))
+            elif choice.logprobs:
                 logprobs = _logprobs(choice.logprobs, choice.token_ids, len(echo))
             choices.append({"index": choice.index, "text": echo + text, "logprobs": logprobs,
                             "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
         return JSONResponse({**meta.envelope("text_completion", choices), "usage": tracker.usage()})
 
+    def _prompt_logprobs(self, entries: Sequence[TokenLogprobs | None], token_ids: Sequence[int]) -> dict[str, list]:
+        """The prompt's part of an echoed choice: the first token has no logprob (None), as in OpenAI's API."""
+        first = self.tokenizer.decode([token_ids[0]])
+        rest = _logprobs(entries[1:], token_ids[1:], len(first))
+        return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+                "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
+
     async def _events(self, stream: RequestStream, tracker: ChoiceTracker, meta: ResponseMeta,
-                      prepared: list[_Prepared], n: int, include_usage: bool) -> AsyncIterator[str]:
-        if prepared[0].echo:
-            yield "".join(sse(meta.envelope("text_completion", [_chunk_choice(p * n + s, prepared[p].echo)]))
-                          for p in range(len(prepared)) for s in range(n))
+                      prepared: list[_Prepared], n: int, include_usage: bool, prompt_only: bool,
+                      scored: bool) -> AsyncIterator[str]:
+        """`scored`: the echo carries the prompt's logprobs, so it waits for them."""
+        ids = {f"{meta.id}-{i}": i for i in range(len(prepared))}
+
+        def echo_chunks(p: int, entries: Sequence[TokenLogprobs | None] | None) -> str:
+            logprobs = self._prompt_logprobs(entries, prepared[p].token_ids) if entries is not None else None
+            return "".join(sse(meta.envelope("text_completion", [_chunk_choice(p * n + s, prepared[p].echo, logprobs)]))
+                           for s in range(n))
+
+        if prepared[0].echo and not scored:
+            yield "".join(echo_chunks(p, None) for p in range(len(prepared)))
         offsets = [len(prepared[c // n].echo) for c in range(len(prepared) * n)]
         try:
             async for delta in stream:
                 events = []
+                if delta.prompt_logprobs is not None:  # they come with the request's first token
+                    events.append(echo_chunks(ids[delta.request_id], delta.prompt_logprobs))
                 for choice, sample in tracker.update(delta):
+                    if prompt_only:
+                        choice.num_tokens = 0
+                        if sample.finish_reason is not None:
+                            events.append(sse(meta.envelope("text_completion", [_chunk_choice(
+                                choice.index, "", None, sample.finish_reason, sample.stop_reason)])))
+                        continue
                     if not (sample.text or sample.finish_reason or sample.logprobs):
                         continue  # tokens whose text is held back (a partial character or stop string)
                     logprobs = _sample_logprobs(sample, offsets[choice.index])
@@ -117,6 +149,10 @@ def _sample_logprobs(sample: SampleDelta, offset: int) -> dict | None:
     if not sample.logprobs:
         return None
     return _logprobs(sample.logprobs, sample.token_ids, offset)
+
+
+def _join(first: dict[str, list], second: dict[str, list]) -> dict[str, list]:
+    return {key: first[key] + second[key] for key in first}
 
 
 def _logprobs(entries: Sequence[TokenLogprobs], token_ids: Sequence[int], offset: int) -> dict[str, list]:

@@ -15,6 +15,25 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+# How the simulator's and the benchmarks' tables print a summary figure: key -> (title, format).
+SUMMARY_FORMATS: dict[str, tuple[str, str]] = {
+    "output_throughput": ("output tok/s", "{:,.0f}"),
+    "mean_ttft_ms": ("mean TTFT ms", "{:,.0f}"),
+    "p99_ttft_ms": ("p99 TTFT ms", "{:,.0f}"),
+    "mean_itl_ms": ("mean ITL ms", "{:.1f}"),
+    "p99_itl_ms": ("p99 ITL ms", "{:.1f}"),
+    "goodput": ("goodput tok/s", "{:,.0f}"),
+    "mean_kv_usage": ("KV use", "{:.0%}"),
+    "kv_waste": ("KV waste", "{:.2%}"),
+    "peak_blocks_used": ("peak blocks", "{:d}"),
+    "num_preemptions": ("preempt", "{:d}"),
+}
+
+
+def summary_columns(keys: Sequence[str], **formats: str) -> tuple[tuple[str, str, str], ...]:
+    """(title, key, format) per key, in order; `formats` overrides a key's format."""
+    return tuple((SUMMARY_FORMATS[k][0], k, formats.get(k, SUMMARY_FORMATS[k][1])) for k in keys)
+
 
 def percentile(values: Sequence[float], q: float) -> float:
     """q in [0, 100]; linear interpolation between the closest ranks; NaN for no values."""

@@ -20,6 +20,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core.validation import require_int
+
 DATASETS = ("random", "mixed", "shared-prefix", "sharegpt-like", "jsonl")
 FIRST_TOKEN_ID = 10
 SHAREGPT_MEAN_INPUT = 161.31
@@ -38,11 +40,6 @@ class BenchRequest:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_token_ids)
-
-
-def _check_positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def _check_ratio(range_ratio: float) -> None:
@@ -66,7 +63,7 @@ def random_dataset(num_prompts: int, input_len: int, output_len: int, range_rati
                    output_range_ratio: float | None = None) -> list[BenchRequest]:
     """output_range_ratio, when given, spreads output lengths differently from prompt lengths."""
     for name, v in (("num_prompts", num_prompts), ("input_len", input_len), ("output_len", output_len)):
-        _check_positive(name, v)
+        require_int(name, v, 1)
     _check_ratio(range_ratio)
     out_ratio = range_ratio if output_range_ratio is None else output_range_ratio
     _check_ratio(out_ratio)
@@ -81,7 +78,7 @@ def mixed_dataset(num_prompts: int, short_input_len: int, long_input_len: int, l
     """Mostly short prompts; every `long_every`-th request (1-based) is long: the chunked-prefill stress case."""
     for name, v in (("num_prompts", num_prompts), ("short_input_len", short_input_len),
                     ("long_input_len", long_input_len), ("long_every", long_every), ("output_len", output_len)):
-        _check_positive(name, v)
+        require_int(name, v, 1)
     _check_ratio(range_ratio)
     rng = random.Random(seed)
     out = []
@@ -98,7 +95,7 @@ def shared_prefix_dataset(num_prompts: int, num_groups: int, prefix_len: int, su
     """Request i belongs to group i % num_groups; a group shares its whole system prompt."""
     for name, v in (("num_prompts", num_prompts), ("num_groups", num_groups), ("prefix_len", prefix_len),
                     ("suffix_len", suffix_len), ("output_len", output_len)):
-        _check_positive(name, v)
+        require_int(name, v, 1)
     _check_ratio(range_ratio)
     rng = random.Random(seed)
     prefixes = [_tokens(rng, prefix_len, vocab_size) for _ in range(num_groups)]
@@ -114,8 +111,8 @@ def _lognormal_length(rng: random.Random, mean: float, sigma: float, max_len: in
 def sharegpt_like_dataset(num_prompts: int, max_len: int = 4096, vocab_size: int = 32_000,
                           seed: int = 0) -> list[BenchRequest]:
     """Long-tailed chat lengths (see the module docstring for the numbers); each length capped at max_len."""
-    _check_positive("num_prompts", num_prompts)
-    _check_positive("max_len", max_len)
+    require_int("num_prompts", num_prompts, 1)
+    require_int("max_len", max_len, 1)
     rng = random.Random(seed)
     out = []
     for _ in range(num_prompts):
@@ -142,11 +139,11 @@ def jsonl_dataset(path: str | Path, vocab_size: int = 32_000, seed: int = 0,
                 if not ids:
                     raise ValueError(f"{where}: prompt_token_ids must not be empty")
             elif "prompt_len" in obj:
-                _check_positive(f"{where}: prompt_len", obj["prompt_len"])
+                require_int(f"{where}: prompt_len", obj["prompt_len"], 1)
                 ids = _tokens(rng, obj["prompt_len"], vocab_size)
             else:
                 raise ValueError(f"{where}: needs prompt_token_ids or prompt_len")
-            _check_positive(f"{where}: output_len", obj.get("output_len"))
+            require_int(f"{where}: output_len", obj.get("output_len"), 1)
             arrival = obj.get("arrival_time")
             out.append(BenchRequest(ids, obj["output_len"], None if arrival is None else float(arrival)))
             if num_prompts is not None and len(out) == num_prompts:

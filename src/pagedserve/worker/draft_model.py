@@ -18,14 +18,48 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..attention.metadata import AttentionMetadata
+from ..attention.backend import AttentionBackend
+from ..attention.metadata import AttentionMetadata, slot_mapping
+from ..core.kv_plan import DraftKV, scratch_blocks_per_seq
+from ..core.request import Request
+from ..model.config import ModelConfig
 from ..model.llama import LlamaModel
-from ..worker.block_table import BlockTableRows
+from ..model.loader import LoadedModel, load_model
+from ..spec_decode.config import SpeculativeConfig
+from .block_table import BlockTableRows
+from .kv_cache import copy_blocks
 
 
-def scratch_blocks_per_seq(block_size: int, k: int) -> int:
-    """Blocks that positions p .. p + k - 1 can touch, whatever p is."""
-    return -(-(block_size - 1 + k) // block_size)
+def load_draft(target: LoadedModel, spec: SpeculativeConfig | None, kernels: str) -> LoadedModel | None:
+    """The draft model: the target itself for "self:N", else a model sharing its tokenizer,
+    running on the same `kernels` path."""
+    if spec is None or spec.method != "draft_model":
+        return None
+    layers = spec.self_draft_layers
+    if layers is not None:
+        if layers >= target.config.num_layers:
+            raise ValueError(f'speculative_config.model "self:{layers}" must use fewer layers than the '
+                             f"target's {target.config.num_layers}")
+        return target
+    draft = load_model(spec.model)
+    draft.model.set_kernels(kernels)
+    probe = "Speculative decoding needs one vocabulary: ¿sí? 123 <|im_end|>"
+    if (draft.config.vocab_size != target.config.vocab_size
+            or draft.tokenizer.encode(probe) != target.tokenizer.encode(probe)
+            or draft.tokenizer.eos_token_id != target.tokenizer.eos_token_id):
+        raise ValueError(f"speculative_config.model {spec.model!r} does not share the target's tokenizer "
+                         f"(vocab {draft.config.vocab_size} vs {target.config.vocab_size})")
+    return draft
+
+
+def draft_kv(spec: SpeculativeConfig, draft: ModelConfig, target: ModelConfig, max_num_seqs: int) -> DraftKV:
+    """The KV a draft model needs: a self-draft runs the target's first N layers."""
+    layers = spec.self_draft_layers
+    kv = draft.kv_bytes_per_token()
+    if layers is not None:
+        kv = kv * layers // target.num_layers
+    return DraftKV(kv, own_cache=layers is None, num_seqs=spec.max_drafting_seqs(max_num_seqs),
+                   num_speculative_tokens=spec.num_speculative_tokens)
 
 
 class DraftModelProposer:
@@ -34,7 +68,7 @@ class DraftModelProposer:
         model: LlamaModel,
         kv_caches: list[torch.Tensor],
         block_tables: BlockTableRows,
-        backend,
+        backend: AttentionBackend,
         block_size: int,
         k: int,
         scratch_start: int,
@@ -58,8 +92,8 @@ class DraftModelProposer:
         self.model(input_ids, positions, self.kv_caches, meta, self.backend, torch.empty(0, dtype=torch.int64))
 
     @torch.inference_mode()
-    def propose(self, requests: Sequence) -> list[list[int]]:
-        """Up to k greedy tokens per request, each limited to its remaining max_tokens - 1.
+    def propose(self, requests: Sequence[Request]) -> list[list[int]]:
+        """Up to k greedy tokens per request, each limited to its max_draft_tokens.
         A request the runner has no table for yet (a child forked this step) gets none."""
         known = [i for i, r in enumerate(requests) if r.request_id in self.block_tables.row_of]
         out: list[list[int]] = [[] for _ in requests]
@@ -67,12 +101,12 @@ class DraftModelProposer:
             out[i] = drafts
         return out
 
-    def _propose(self, requests: Sequence) -> list[list[int]]:
+    def _propose(self, requests: Sequence[Request]) -> list[list[int]]:
         num = len(requests)
         if num == 0:
             return []
         bs = self.block_size
-        wanted = np.fromiter((min(self.k, r.max_tokens - r.num_output_tokens - 1) for r in requests), np.int64, num)
+        wanted = np.fromiter((min(self.k, r.max_draft_tokens) for r in requests), np.int64, num)
         steps = int(wanted.max())
         if steps <= 0:
             return [[] for _ in requests]
@@ -90,10 +124,8 @@ class DraftModelProposer:
         table[seq[:, None], first_block[:, None] + np.arange(scratch.shape[1])] = scratch
         partial = pos % bs != 0
         if partial.any():
-            src = torch.from_numpy(real[partial, first_block[partial]])
-            dst = torch.from_numpy(scratch[partial, 0])
-            for kv in self.kv_caches:
-                kv[:, dst] = kv[:, src]
+            copy_blocks(self.kv_caches, torch.from_numpy(real[partial, first_block[partial]]),
+                        torch.from_numpy(scratch[partial, 0]))
         table_t = torch.from_numpy(table)
         tokens = torch.tensor([r.all_token_ids[-1] for r in requests], dtype=torch.int64)
         rows_out = torch.arange(num)
@@ -105,7 +137,7 @@ class DraftModelProposer:
                 query_start_loc=query_start,
                 seq_lens=torch.from_numpy(p + 1),
                 block_tables=table_t,
-                slot_mapping=torch.from_numpy(table[seq, p // bs] * bs + p % bs),
+                slot_mapping=torch.from_numpy(slot_mapping(table, seq, p, bs)),
                 query_lens_cpu=[1] * num,
                 seq_lens_cpu=(p + 1).tolist(),
                 block_size=bs,

@@ -1,0 +1,127 @@
+"""pagedserve's native ops against today's torch path, paired in one process.
+
+    .venv/bin/python benchmarks/kernels.py [--section attention] [--reps 15]
+        [--threads 2] [--clock wall|cpu]
+
+Each section times its native op and the torch path it replaces on the same inputs,
+interleaved call by call so that load from other processes hits both alike, and
+prints medians and their ratio (torch / native: above 1 means native is faster).
+On a shared machine `--threads 1 --clock cpu` (this thread's CPU time) gives the
+steadiest ratios.
+
+attention: one layer's attention on SmolLM2-135M shapes (9 query heads, 3 KV heads,
+head_dim 64, block 16, fp32, shuffled block tables): NativePagedAttention.forward
+against CpuPagedAttention.forward, both with the step's plan already built (the
+runner builds it once for all 30 layers) and both writing the step's K/V. Also the
+K/V bytes the native op reads per second against the machine's copy bandwidth
+(bytes read + written per second copying a 256 MiB tensor).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from pagedserve.attention import cpu_backend
+from pagedserve.attention.backend import ReferenceBackend
+from pagedserve.attention.cpu_backend import CpuPagedAttention
+from pagedserve.attention.native_backend import NativePagedAttention
+from pagedserve.attention.testing import random_step
+from pagedserve.kernels import native_unavailable_reason
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+SCALE = HEAD_DIM**-0.5
+KV_BYTES_PER_TOKEN = 2 * NUM_KV_HEADS * HEAD_DIM * 4
+
+
+def paired(fns: list[Callable[[], object]], reps: int, clock: Callable[[], float]) -> list[float]:
+    """Median seconds of each function, called in turn rep after rep."""
+    for fn in fns:
+        fn()  # warm-up: first-touch page faults, workspaces, plans
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, ts in zip(fns, times):
+            t = clock()
+            fn()
+            ts.append(clock() - t)
+    return [statistics.median(ts) for ts in times]
+
+
+def copy_bandwidth(reps: int, clock: Callable[[], float]) -> float:
+    """Bytes read + written per second copying a 256 MiB float32 tensor."""
+    src = torch.randn(64 << 20)
+    dst = torch.empty_like(src)
+    (seconds,) = paired([lambda: dst.copy_(src)], reps, clock)
+    return 2 * src.numel() * 4 / seconds
+
+
+def attention_cases() -> dict[str, list[tuple[int, int]]]:
+    """(query_len, seq_len) per sequence, for each named step."""
+    rnd = random.Random(0)
+    return {
+        "decode 32x512": [(1, 512)] * 32,
+        "decode 32x1024": [(1, 1024)] * 32,
+        "decode 32x2048": [(1, 2048)] * 32,
+        "decode 32xU[512,2048]": [(1, rnd.randint(512, 2048)) for _ in range(32)],
+        "decode 64x256": [(1, 256)] * 64,
+        "decode 1x2048": [(1, 2048)],
+        "decode 1x8192": [(1, 8192)],
+        "decode 4x4096": [(1, 4096)] * 4,
+        "spec 16x(2..5) U[64,2048]": [(rnd.randint(2, 5), rnd.randint(64, 2048)) for _ in range(16)],
+        "mixed 32 decodes + 256 after 1000": [(1, rnd.randint(64, 2048)) for _ in range(32)] + [(256, 1256)],
+    }
+
+
+def attention_section(reps: int, clock: Callable[[], float]) -> None:
+    bandwidth = copy_bandwidth(reps, clock)
+    print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + written)")
+    print(f"{'case':36} {'torch ms':>9} {'native ms':>9} {'ratio':>6} {'KV GB/s':>8} {'of copy':>7}")
+    for name, seqs in attention_cases().items():
+        q, k, v, cache, meta = random_step(seqs, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, spare_blocks=1)
+        expected = ReferenceBackend().forward(q, k, v, cache.clone(), meta, SCALE) if len(seqs) <= 4 else None
+        torch_backend, native = CpuPagedAttention(), NativePagedAttention()
+        torch_backend.prepare(meta)
+        native.prepare(meta)
+        if expected is not None:
+            torch.testing.assert_close(native.forward(q, k, v, cache, meta, SCALE), expected, rtol=1e-4, atol=1e-5)
+        t_torch, t_native = paired(
+            [lambda: torch_backend.forward(q, k, v, cache, meta, SCALE), lambda: native.forward(q, k, v, cache, meta, SCALE)],
+            reps, clock,
+        )
+        row = f"{name:36} {t_torch * 1e3:9.2f} {t_native * 1e3:9.2f} {t_torch / t_native:5.2f}x"
+        if all(n < cpu_backend.PREFILL_MIN_QUERY_LEN for n, _ in seqs):  # all of it the native op's work
+            rate = KV_BYTES_PER_TOKEN * sum(s for _, s in seqs) / t_native
+            row += f" {rate / 1e9:8.1f} {rate / bandwidth:7.0%}"
+        print(row)
+
+
+SECTIONS: dict[str, Callable[[int, Callable[[], float]], None]] = {"attention": attention_section}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--section", choices=sorted(SECTIONS), action="append",
+                    help="run only these sections (repeatable); default: all")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: this thread's CPU time (steady under load, meaningful with --threads 1)")
+    args = ap.parse_args()
+    reason = native_unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"the native library cannot run: {reason}")
+    torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    print(f"threads: {args.threads}, clock: {args.clock}, reps: {args.reps}")
+    with torch.inference_mode():
+        for name in args.section or sorted(SECTIONS):
+            print(f"== {name}")
+            SECTIONS[name](args.reps, clock)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""The step's token budget from a latency target, instead of a fixed number.
+
+A fixed budget trades the two latencies once for all loads: 256 tokens keeps a long
+prompt from stalling running streams, but a wave of short prompts arriving together
+is then spread over many steps that its first streams sit through as decodes. Here
+the budget is chosen every step from a predicted step time:
+
+- with decodes running, add as many prefill tokens as keep the step within the ITL
+  target (their inter-token gap is the step's duration);
+- with none running, nobody is waiting on a token, so take as many prompt tokens as
+  fit the TTFT target: a wave's prompts go in one step;
+- never above the hard cap (`max_num_batched_tokens`), and never less than
+  `min_chunk` prefill tokens while a prompt waits, so a prompt always advances even
+  when the decodes alone exceed the target.
+
+The prediction is affine in what a step carries (StepTimeModel, fitted from the
+simulator's calibrated cost model) times a bounded running correction learnt from
+the engine's measured step times (StepTimeCorrection). Pure Python: the simulator
+and the engine share it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .validation import is_int
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimeModel:
+    """Seconds of one step as a sum of what it carries."""
+
+    fixed_s: float  # an empty step: scheduling, per-layer call costs, a 1-row weight read
+    per_token_s: float  # each token through the linear layers, norms and activations
+    per_sample_s: float  # each sampled position: the LM head and the sampler
+    per_context_token_s: float  # each context token a short query (decode) reads from the cache
+    per_pair_s: float  # each causal (query, key) pair of a prefill chunk's attention
+
+    def __post_init__(self) -> None:
+        for name in ("fixed_s", "per_token_s", "per_sample_s", "per_context_token_s", "per_pair_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.per_token_s <= 0:
+            raise ValueError(f"per_token_s must be > 0, got {self.per_token_s!r}")
+
+    def seconds(self, tokens: int, samples: int, context_tokens: int, pairs: int) -> float:
+        return (self.fixed_s + self.per_token_s * tokens + self.per_sample_s * samples
+                + self.per_context_token_s * context_tokens + self.per_pair_s * pairs)
+
+    def decode_seconds(self, rows: int, context_tokens: int) -> float:
+        """A step of `rows` decodes (one token and one sample each) over that much context."""
+        return self.seconds(rows, rows, context_tokens, 0)
+
+
+def prefill_pairs(num_tokens: int, context: int) -> int:
+    """Causal (query, key) pairs of a chunk of `num_tokens` after `context` computed ones."""
+    return num_tokens * context + num_tokens * (num_tokens + 1) // 2
+
+
+# Rows with fewer new tokens are short queries (decodes, verification rows) that cost
+# their context read; longer ones are prefill chunks that cost their pairs, as the
+# CPU attention backends split a step.
+SHORT_QUERY_LEN = 16
+
+
+def predict_step(model: StepTimeModel, rows: list[tuple[int, int]], samples: int) -> float:
+    """Seconds of a step whose rows compute n new tokens after c computed ones."""
+    tokens = context = pairs = 0
+    for n, c in rows:
+        tokens += n
+        if n < SHORT_QUERY_LEN:
+            context += c + n
+        else:
+            pairs += prefill_pairs(n, c)
+    return model.seconds(tokens, samples, context, pairs)
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyTarget:
+    itl_s: float | None = None  # p99 inter-token latency to keep while decodes run
+    ttft_s: float | None = None  # how long a step may take when no decode is running
+    min_chunk: int = 16  # prefill tokens a waiting prompt always gets
+
+    def __post_init__(self) -> None:
+        for name in ("itl_s", "ttft_s"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a number > 0 or None, got {value!r}")
+        if not is_int(self.min_chunk) or self.min_chunk < 1:
+            raise ValueError(f"min_chunk must be a positive integer, got {self.min_chunk!r}")
+
+
+def max_prefill_tokens(model: StepTimeModel, seconds: float, base_s: float, context: int) -> int:
+    """The most prefill tokens n that a step can add to `base_s` of other work and stay
+    within `seconds`: per_token * n + per_pair * (n * context + n (n + 1) / 2) <= seconds - base_s
+    (the sample of a completed prompt is in base_s). Solved in closed form, no search."""
+    room = seconds - base_s
+    if room <= 0:
+        return 0
+    a = model.per_pair_s / 2
+    b = model.per_token_s + model.per_pair_s * (context + 0.5)
+    n = room / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * room)) / (2 * a)
+    return max(0, math.floor(n + 1e-9))
+
+
+def choose_budget(
+    model: StepTimeModel,
+    target: LatencyTarget,
+    cap: int,
+    decode_rows: int,
+    decode_context: int,
+    prefill_context: int = 0,
+    scale: float = 1.0,
+) -> int:
+    """The step's token budget: the `decode_rows` decodes (reading `decode_context`
+    context tokens in all) plus the prefill tokens the target allows, at most `cap`.
+
+    `prefill_context` is the computed length of the prompt that would be chunked next
+    (its chunk attends over it); `scale` is the running correction of the model."""
+    deadline = target.itl_s if decode_rows else target.ttft_s
+    if deadline is None:
+        return cap
+    base = scale * (model.decode_seconds(decode_rows, decode_context) + model.per_sample_s)
+    scaled = StepTimeModel(0.0, model.per_token_s * scale, 0.0, 0.0, model.per_pair_s * scale)
+    prefill = max(target.min_chunk, max_prefill_tokens(scaled, deadline, base, prefill_context))
+    return max(1, min(cap, decode_rows + prefill))
+
+
+class StepTimeCorrection:
+    """measured / predicted step time, smoothed and bounded, so the model follows the
+    machine's drift (another process, a slower hour) but one stalled step cannot swing it.
+
+    Each observation's ratio is clipped to within a factor step_bound of the current
+    correction before it enters an exponential average, so a sustained change is
+    followed within tens of steps while a single outlier moves it by at most
+    alpha * (step_bound - 1); the average itself stays within [1/total_bound, total_bound]."""
+
+    def __init__(self, alpha: float = 0.1, step_bound: float = 2.0, total_bound: float = 4.0):
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
+        if step_bound < 1 or total_bound < 1:
+            raise ValueError(f"bounds must be >= 1, got {step_bound!r}, {total_bound!r}")
+        self.alpha, self.step_bound, self.total_bound = alpha, step_bound, total_bound
+        self.scale = 1.0
+        self.num_observed = 0
+
+    def observe(self, predicted_s: float, measured_s: float) -> None:
+        if predicted_s <= 0 or not math.isfinite(measured_s) or measured_s <= 0:
+            return
+        ratio = min(max(measured_s / predicted_s, self.scale / self.step_bound), self.scale * self.step_bound)
+        scale = (1 - self.alpha) * self.scale + self.alpha * ratio
+        self.scale = min(max(scale, 1 / self.total_bound), self.total_bound)
+        self.num_observed += 1
+
+
+class StepBudget:
+    """The scheduler's per-step budget under a latency target, learning its correction
+    from the step times the engine (or the simulator) reports back."""
+
+    def __init__(self, model: StepTimeModel, target: LatencyTarget, cap: int,
+                 correction: StepTimeCorrection | None = None):
+        if not is_int(cap) or cap < 1:
+            raise ValueError(f"cap must be a positive integer, got {cap!r}")
+        self.model, self.target, self.cap = model, target, cap
+        self.correction = correction or StepTimeCorrection()
+
+    def budget(self, decode_rows: int, decode_context: int, prefill_context: int = 0) -> int:
+        return choose_budget(self.model, self.target, self.cap, decode_rows, decode_context, prefill_context,
+                             self.correction.scale)
+
+    def observe(self, rows: list[tuple[int, int]], samples: int, seconds: float) -> None:
+        """A step of these (new tokens, computed before) rows took `seconds`."""
+        self.correction.observe(predict_step(self.model, rows, samples), seconds)

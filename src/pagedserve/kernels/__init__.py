@@ -1,0 +1,64 @@
+"""pagedserve's native CPU kernels, and the choice between them and pure torch.
+
+The op library (`_C.so`, built from csrc/ at install time by setup.py) registers
+its ops as `torch.ops.pagedserve.*`. It is compiled for AVX2 + FMA + F16C, so it is
+loaded only after the CPU is checked for them: on another CPU, or where the build
+did not happen, the pure-torch path runs, which is also the reference every native
+op is tested against.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+KERNEL_CHOICES = ("auto", "native", "torch")
+REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
+LIBRARY_PATH = Path(__file__).with_name("_C.so")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.cache
+def native_unavailable_reason() -> str | None:
+    """Why the native library cannot run here (None when it is loaded and usable)."""
+    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in cpu_flags()]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    if not LIBRARY_PATH.is_file():
+        return f"{LIBRARY_PATH.name} was not built (run `make setup`, or `python setup.py build_ext --inplace`)"
+    import torch  # here, so that config (and the torch-free simulator) can name the choices
+
+    try:
+        torch.ops.load_library(str(LIBRARY_PATH))
+    except (OSError, RuntimeError) as e:
+        return f"loading {LIBRARY_PATH} failed: {e}"
+    return None
+
+
+def resolve_kernels(choice: str | None) -> str:
+    """"native" or "torch" for a `--kernels` value: auto takes native where it can run;
+    asking for native where it cannot is an error that says why."""
+    choice = choice or "auto"
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
+    if choice == "torch":
+        return "torch"
+    reason = native_unavailable_reason()
+    if reason is None:
+        return "native"
+    if choice == "native":
+        raise ValueError(f"kernels='native' but the native library cannot run: {reason}")
+    logger.warning("native kernels unavailable (%s); using the pure-torch path", reason)
+    return "torch"

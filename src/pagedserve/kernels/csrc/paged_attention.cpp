@@ -1,0 +1,377 @@
+// Paged attention for short queries (decodes, speculative verification rows, small
+// prefill chunks) that reads K and V in place through the block table.
+//
+// Why not torch: CpuPagedAttention gathers every short query's blocks into a padded
+// tensor before SDPA; at a 32-row decode step that copy was ~24% of the step and the
+// attention over it ~27% (issue #15). Here each work item is (sequence, range of key
+// positions): it walks the range block by block, and each KV head's K/V rows of a
+// block are read from memory once for all the query rows that share them (the query
+// tokens x the query heads of that KV head, GQA), with an online softmax per block. When there are fewer sequences than work slots the key
+// range is split into partitions whose partial results (unnormalised output, max,
+// sum) the last finishing partition merges, so one long sequence uses every core.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "vec.h"
+
+namespace pagedserve {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Work items aimed for per thread when splitting contexts: several, so that items of
+// unequal length still even out across threads.
+constexpr int64_t kItemsPerThread = 4;
+// The shortest partition worth a split: below it the merge costs more than it saves.
+constexpr int64_t kMinPartitionKeys = 256;
+constexpr int64_t kMaxBlockSize = 256;
+
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// [sum(a0), ..., sum(a7)]: eight dot products' accumulators reduced into one vector.
+inline __m256 transpose_sum(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]);
+  const __m256 t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]);
+  const __m256 t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1);  // lanes: a0..a3 low halves | a0..a3 high halves
+  const __m256 u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+struct Problem {
+  const float* q;
+  int64_t q_token_stride, q_head_stride;
+  const float* k_cache;
+  const float* v_cache;
+  int64_t block_stride, token_stride;  // within one plane of the cache
+  const int64_t* tables;
+  int64_t table_stride;
+  const int64_t* query_start;
+  const int64_t* seq_lens;
+  int64_t block_size, num_kv_heads, group, head_dim;
+  float scale;
+  float* out;
+  int64_t out_token_stride;
+};
+
+struct Item {
+  int64_t seq, key_begin, key_end;
+  int64_t group_index;  // index of the (sequence, KV head) split group; -1 when unsplit
+  int64_t partial;      // offset of this item's partial result in the partials buffer
+  int64_t cost;
+};
+
+struct SplitGroup {
+  int64_t seq, first_partial, num_parts, rows;
+};
+
+// Scores of one query row (already scaled) against keys [0, count) of a block.
+template <int NV>
+inline void row_scores(const float* qrow, const float* keys, int64_t token_stride, int64_t count,
+                       int64_t block_size, int64_t nv_runtime, float* scores) {
+  const int64_t nv = NV ? NV : nv_runtime;
+  int64_t t = 0;
+  if constexpr (NV != 0) {
+    __m256 qv[NV];
+    for (int v = 0; v < NV; ++v) qv[v] = _mm256_loadu_ps(qrow + 8 * v);
+    // Whole tiles of 8 keys may read past `count` (never past the block); those lanes are ignored.
+    for (; t < count && t + 8 <= block_size; t += 8) {
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int v = 0; v < NV; ++v)
+        for (int j = 0; j < 8; ++j)
+          acc[j] = _mm256_fmadd_ps(qv[v], _mm256_loadu_ps(keys + (t + j) * token_stride + 8 * v), acc[j]);
+      _mm256_storeu_ps(scores + t, transpose_sum(acc));
+    }
+  } else {
+    for (; t < count && t + 8 <= block_size; t += 8) {
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t v = 0; v < nv; ++v) {
+        const __m256 qv = _mm256_loadu_ps(qrow + 8 * v);
+        for (int j = 0; j < 8; ++j)
+          acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + (t + j) * token_stride + 8 * v), acc[j]);
+      }
+      _mm256_storeu_ps(scores + t, transpose_sum(acc));
+    }
+  }
+  for (; t < count; ++t) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t v = 0; v < nv; ++v)
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(qrow + 8 * v), _mm256_loadu_ps(keys + t * token_stride + 8 * v), acc);
+    scores[t] = hsum(acc);
+  }
+}
+
+// acc = acc * alpha + sum_t p[t] * values[t], for t < count.
+template <int NV>
+inline void row_values(float* acc, float alpha, const float* p, const float* values, int64_t token_stride,
+                       int64_t count, int64_t nv_runtime) {
+  if constexpr (NV != 0) {
+    __m256 a[NV];
+    const __m256 va = _mm256_set1_ps(alpha);
+    for (int v = 0; v < NV; ++v) a[v] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * v), va);
+    for (int64_t t = 0; t < count; ++t) {
+      const __m256 pt = _mm256_set1_ps(p[t]);
+      const float* row = values + t * token_stride;
+      for (int v = 0; v < NV; ++v) a[v] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(row + 8 * v), a[v]);
+    }
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc + 8 * v, a[v]);
+  } else {
+    const __m256 va = _mm256_set1_ps(alpha);
+    for (int64_t v = 0; v < nv_runtime; ++v) {
+      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * v), va);
+      for (int64_t t = 0; t < count; ++t)
+        a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(values + t * token_stride + 8 * v), a);
+      _mm256_storeu_ps(acc + 8 * v, a);
+    }
+  }
+}
+
+// Blocks sit at random places in the pool, so the hardware prefetcher cannot see the
+// next one coming: fetch its first `count` token rows (every KV head) ahead of use.
+inline void prefetch_block(const Problem& p, int64_t block, int64_t count) {
+  const int64_t bytes = count * p.token_stride * static_cast<int64_t>(sizeof(float));
+  for (const float* plane : {p.k_cache, p.v_cache}) {
+    const char* base = reinterpret_cast<const char*>(plane + block * p.block_stride);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(base + b, _MM_HINT_T0);
+  }
+}
+
+// The query row r of a sequence with query_len qlen: rows are ordered (KV head, query
+// token, query head within the KV head's group) so that each KV head's rows are contiguous.
+struct RowIndex {
+  int64_t token, head;
+};
+inline RowIndex row_index(int64_t r, int64_t qlen, int64_t g) {
+  const int64_t per_kv = qlen * g, kv = r / per_kv, within = r % per_kv;
+  return {within / g, kv * g + within % g};
+}
+
+// Online softmax of one sequence over keys [key_begin, key_end), every KV head: leaves
+// the unnormalised output in acc [rows][head_dim], the running max and sum per row.
+// One item covers all KV heads so that it walks each block's token rows contiguously.
+template <int NV>
+void attend(const Problem& p, int64_t seq, int64_t key_begin, int64_t key_end, float* acc, float* row_max,
+            float* row_sum, float* qbuf) {
+  const int64_t d = p.head_dim, nv = d / 8, g = p.group, bs = p.block_size;
+  const int64_t start = p.query_start[seq], qlen = p.query_start[seq + 1] - start;
+  const int64_t per_kv = qlen * g, rows = per_kv * p.num_kv_heads, first_pos = p.seq_lens[seq] - qlen;
+  for (int64_t r = 0; r < rows; ++r) {
+    const RowIndex ri = row_index(r, qlen, g);
+    const float* src = p.q + (start + ri.token) * p.q_token_stride + ri.head * p.q_head_stride;
+    for (int64_t i = 0; i < d; ++i) qbuf[r * d + i] = src[i] * p.scale;
+    std::fill_n(acc + r * d, d, 0.0f);
+    row_max[r] = kNegInf;
+    row_sum[r] = 0.0f;
+  }
+  alignas(32) float scores[kMaxBlockSize + 8];
+  for (int64_t b0 = key_begin; b0 < key_end; b0 += bs) {
+    const int64_t block = p.tables[seq * p.table_stride + b0 / bs];
+    const int64_t n = std::min(bs, key_end - b0);
+    if (b0 + bs < key_end) prefetch_block(p, p.tables[seq * p.table_stride + b0 / bs + 1], std::min(bs, key_end - b0 - bs));
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t kv = r / per_kv, token = (r % per_kv) / g;
+      const int64_t count = std::min(n, first_pos + token - b0 + 1);
+      if (count <= 0) continue;  // every key of this block is after this query token
+      const float* keys = p.k_cache + block * p.block_stride + kv * d;
+      const float* values = p.v_cache + block * p.block_stride + kv * d;
+      row_scores<NV>(qbuf + r * d, keys, p.token_stride, count, bs, nv, scores);
+      const int64_t padded = (count + 7) & ~int64_t{7};
+      std::fill(scores + count, scores + padded, kNegInf);
+      __m256 vmax = _mm256_set1_ps(kNegInf);
+      for (int64_t t = 0; t < padded; t += 8) vmax = _mm256_max_ps(vmax, _mm256_load_ps(scores + t));
+      const float new_max = std::max(row_max[r], hmax(vmax));
+      const float alpha = row_max[r] == kNegInf ? 0.0f : std::exp(row_max[r] - new_max);
+      const __m256 vm = _mm256_set1_ps(new_max);
+      __m256 vsum = _mm256_setzero_ps();
+      for (int64_t t = 0; t < padded; t += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(scores + t), vm));
+        _mm256_store_ps(scores + t, e);
+        vsum = _mm256_add_ps(vsum, e);
+      }
+      row_sum[r] = row_sum[r] * alpha + hsum(vsum);
+      row_max[r] = new_max;
+      row_values<NV>(acc + r * d, alpha, scores, values, p.token_stride, count, nv);
+    }
+  }
+}
+
+using AttendFn = void (*)(const Problem&, int64_t, int64_t, int64_t, float*, float*, float*, float*);
+
+AttendFn attend_for(int64_t head_dim) {
+  switch (head_dim) {
+    case 64: return attend<8>;
+    case 128: return attend<16>;
+    default: return attend<0>;
+  }
+}
+
+// A sequence's output rows from its unnormalised ones.
+void write_rows(const Problem& p, int64_t seq, const float* acc, const float* row_max, const float* row_sum) {
+  const int64_t d = p.head_dim, g = p.group, start = p.query_start[seq], qlen = p.query_start[seq + 1] - start;
+  for (int64_t r = 0, rows = qlen * g * p.num_kv_heads; r < rows; ++r) {
+    const RowIndex ri = row_index(r, qlen, g);
+    float* dst = p.out + (start + ri.token) * p.out_token_stride + ri.head * d;
+    const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
+    for (int64_t i = 0; i < d; ++i) dst[i] = acc[r * d + i] * inv;
+  }
+}
+
+// Merges the parts of a split sequence: each part's partial is laid out as
+// acc [rows][d], max [rows], sum [rows].
+void merge_parts(const Problem& p, const SplitGroup& sg, const float* partials, float* acc, float* row_max,
+                 float* row_sum) {
+  const int64_t d = p.head_dim, rows = sg.rows, stride = rows * (d + 2);
+  for (int64_t r = 0; r < rows; ++r) {
+    float m = kNegInf;
+    for (int64_t k = 0; k < sg.num_parts; ++k) m = std::max(m, partials[sg.first_partial + k * stride + rows * d + r]);
+    float sum = 0.0f;
+    std::fill_n(acc + r * d, d, 0.0f);
+    if (m != kNegInf) {
+      for (int64_t k = 0; k < sg.num_parts; ++k) {
+        const float* part = partials + sg.first_partial + k * stride;
+        const float pm = part[rows * d + r];
+        if (pm == kNegInf) continue;
+        const float w = std::exp(pm - m);
+        sum += part[rows * d + rows + r] * w;
+        for (int64_t i = 0; i < d; ++i) acc[r * d + i] += part[r * d + i] * w;
+      }
+    }
+    row_max[r] = m;
+    row_sum[r] = sum;
+  }
+}
+
+void paged_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& seq_ids,
+                      double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "paged_attention_: float32 q, kv_cache and out expected");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention_: q must be [tokens, heads, head_dim], rows contiguous");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "paged_attention_: kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim]");
+  const int64_t num_heads = q.size(1), d = q.size(2), bs = kv_cache.size(2), hkv = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == d && d % 8 == 0, "paged_attention_: head_dim must match the cache and be a multiple of 8");
+  TORCH_CHECK(num_heads % hkv == 0, "paged_attention_: query heads must be a multiple of KV heads");
+  TORCH_CHECK(bs <= kMaxBlockSize, "paged_attention_: block_size above ", kMaxBlockSize);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == q.size(0) && out.size(1) == num_heads * d && out.stride(1) == 1,
+              "paged_attention_: out must be [tokens, heads * head_dim], rows contiguous");
+  for (const at::Tensor* t : {&block_tables, &query_start_loc, &seq_lens, &seq_ids})
+    TORCH_CHECK(t->scalar_type() == at::kLong, "paged_attention_: int64 index tensors expected");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1, "paged_attention_: block_tables rows must be contiguous");
+  const at::Tensor qsl = query_start_loc.contiguous(), lens = seq_lens.contiguous(), ids = seq_ids.contiguous();
+  const int64_t num_seqs = lens.numel();
+  TORCH_CHECK(qsl.numel() == num_seqs + 1 && block_tables.size(0) >= num_seqs,
+              "paged_attention_: query_start_loc, seq_lens and block_tables disagree on the number of sequences");
+
+  const int64_t* qs = qsl.data_ptr<int64_t>();
+  const int64_t* sl = lens.data_ptr<int64_t>();
+  const int64_t g = num_heads / hkv;
+  Problem p{q.data_ptr<float>(), q.stride(0), q.stride(1),
+            kv_cache.data_ptr<float>(), kv_cache.data_ptr<float>() + kv_cache.stride(0),
+            kv_cache.stride(1), kv_cache.stride(2),
+            block_tables.data_ptr<int64_t>(), block_tables.stride(0), qs, sl,
+            bs, hkv, g, d, static_cast<float>(scale), out.data_ptr<float>(), out.stride(0)};
+
+  const int64_t* seq_index = ids.data_ptr<int64_t>();
+  const int64_t n = ids.numel();
+  int64_t total_keys = 0, max_rows = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = seq_index[i];
+    TORCH_CHECK(s >= 0 && s < num_seqs, "paged_attention_: seq_ids out of range");
+    const int64_t qlen = qs[s + 1] - qs[s];
+    TORCH_CHECK(qlen >= 0 && qlen <= sl[s] && qs[s + 1] <= q.size(0), "paged_attention_: sequence ", s,
+                " has query_len above seq_len or beyond q");
+    TORCH_CHECK(-(-sl[s] / bs) <= block_tables.size(1), "paged_attention_: sequence ", s, " has more blocks than its table");
+    total_keys += sl[s];
+    max_rows = std::max(max_rows, qlen * num_heads);
+  }
+  const int64_t threads = at::get_num_threads();
+  // Split contexts only as far as needed for kItemsPerThread items per thread.
+  const int64_t target_items = kItemsPerThread * threads;
+  int64_t part_keys = std::max(kMinPartitionKeys, (total_keys + target_items - 1) / target_items);
+  part_keys = (part_keys + bs - 1) / bs * bs;
+
+  std::vector<Item> items;
+  std::vector<SplitGroup> groups;
+  int64_t partial_floats = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = seq_index[i], rows = (qs[s + 1] - qs[s]) * num_heads, keys = sl[s];
+    if (rows == 0 || keys == 0) continue;
+    const int64_t parts = (keys + part_keys - 1) / part_keys;
+    if (parts == 1) {
+      items.push_back({s, 0, keys, -1, -1, keys * rows});
+      continue;
+    }
+    const int64_t first = partial_floats, stride = rows * (d + 2);
+    for (int64_t k = 0; k < parts; ++k) {
+      const int64_t b = k * part_keys, e = std::min(keys, b + part_keys);
+      items.push_back({s, b, e, static_cast<int64_t>(groups.size()), first + k * stride, (e - b) * rows});
+    }
+    groups.push_back({s, first, parts, rows});
+    partial_floats += parts * stride;
+  }
+  // Longest first, taken from a shared counter: uneven items balance across threads.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::vector<float> partials(partial_floats);
+  std::unique_ptr<std::atomic<int64_t>[]> remaining(new std::atomic<int64_t>[groups.size()]);
+  for (size_t i = 0; i < groups.size(); ++i) remaining[i].store(groups[i].num_parts, std::memory_order_relaxed);
+
+  const AttendFn fn = attend_for(d);
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  auto work = [&](int64_t, int64_t) {
+    std::vector<float> scratch(max_rows * (2 * d + 2));
+    float* qbuf = scratch.data();
+    float* acc = qbuf + max_rows * d;
+    float* row_max = acc + max_rows * d;
+    float* row_sum = row_max + max_rows;
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
+      const Item& it = items[i];
+      const int64_t rows = (qs[it.seq + 1] - qs[it.seq]) * num_heads;
+      if (it.group_index < 0) {
+        fn(p, it.seq, it.key_begin, it.key_end, acc, row_max, row_sum, qbuf);
+        write_rows(p, it.seq, acc, row_max, row_sum);
+        continue;
+      }
+      float* part = partials.data() + it.partial;
+      fn(p, it.seq, it.key_begin, it.key_end, part, part + rows * d, part + rows * d + rows, qbuf);
+      // The part that finishes its group last merges it; acq_rel makes the others' partials visible.
+      if (remaining[it.group_index].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        const SplitGroup& sg = groups[it.group_index];
+        merge_parts(p, sg, partials.data(), acc, row_max, row_sum);
+        write_rows(p, sg.seq, acc, row_max, row_sum);
+      }
+    }
+  };
+  if (num_items <= 1 || threads == 1) {
+    work(0, 1);
+  } else {
+    at::parallel_for(0, std::min(threads, num_items), 1, work);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def(
+      "paged_attention_(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, Tensor query_start_loc, "
+      "Tensor seq_lens, Tensor seq_ids, float scale) -> ()",
+      &paged_attention_);
+}
+
+}  // namespace pagedserve

@@ -1,0 +1,274 @@
+// y = x W^T + b with W in llama.cpp's Q8_0 / Q4_0 / Q4_1 blocks (quant_linear.h), x fp32.
+//
+// Why: a decode step reads every weight once per step; fp32 weights make batch-1 decode
+// memory-bound at ~540 MB a token on this model, Q8_0 cuts that ~3.8x and Q4_1 ~6.4x,
+// and torch has no fast weight-only int8/int4 kernel for AVX2 (docs/benchmarks.md).
+//
+// How: activations are quantised per row, per block of 32, to int8 with one fp32 scale
+// (symmetric, +-127, so the maddubs pair sums cannot saturate int16). Weights are repacked
+// once into tiles of 8 output columns (see tile_bytes) so that a 4-byte broadcast of a
+// row's activations meets 8 columns in one maddubs and each weight load serves up to 4
+// rows (kRowTile): the integer dot of a block lands as 8 int32 lanes = the 8 columns'
+// results, scaled by (weight scale x activation scale) with one fp32 FMA per block.
+// Q4_0 is run as Q4_1 with m = -8d, so 4-bit weights stay unsigned nibbles and the
+// offset becomes a per-block term m * (activation scale x sum of the block's int8 values).
+#include "quant_linear.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+#include "vec.h"
+
+namespace pagedserve::quant {
+namespace {
+
+constexpr int64_t kRowTile = 4;  // rows sharing each weight load; 4 fp32 accumulators + temporaries fit 16 ymm
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+
+// fp16 bits of -8 * (fp16 bits h): exact, a power-of-two scaling of a small number.
+inline uint16_t neg8_half(uint16_t h) {
+  const float d = _cvtsh_ss(h);
+  return _cvtss_sh(-8.0f * d, _MM_FROUND_TO_NEAREST_INT);
+}
+
+void check_qtype(int64_t qtype) {
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0,
+              "quant: qtype must be a GGML type id of Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", qtype);
+}
+
+// GGUF blocks [N, K/32 * block bytes] -> packed tiles [ceil(N/8), K/32, tile bytes];
+// columns past N in the last tile are zero (scale 0), so they add nothing.
+at::Tensor quant_repack(const at::Tensor& blocks, int64_t qtype) {
+  check_qtype(qtype);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "quant_repack: blocks must be a contiguous uint8 [rows, row bytes] tensor");
+  const int64_t bb = gguf_block_bytes(qtype);
+  TORCH_CHECK(blocks.size(1) % bb == 0, "quant_repack: row bytes ", blocks.size(1), " not a multiple of ", bb);
+  const int64_t n = blocks.size(0), nb = blocks.size(1) / bb, ng = (n + kTileCols - 1) / kTileCols;
+  const int64_t tb = tile_bytes(qtype);
+  at::Tensor packed = at::zeros({ng, nb, tb}, blocks.options());
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, ng, 64, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* tile = dst + (g * nb + b) * tb;
+        for (int64_t j = 0; j < kTileCols && g * kTileCols + j < n; ++j) {
+          const uint8_t* blk = src + (g * kTileCols + j) * nb * bb + b * bb;
+          std::memcpy(tile + 2 * j, blk, 2);  // d
+          if (qtype == kQ8_0) {
+            for (int c = 0; c < 8; ++c) std::memcpy(tile + 16 + 32 * c + 4 * j, blk + 2 + 4 * c, 4);
+            continue;
+          }
+          const uint8_t* qs = blk + (qtype == kQ4_1 ? 4 : 2);
+          const uint16_t m = qtype == kQ4_1 ? load_u16(blk + 2) : neg8_half(load_u16(blk));
+          std::memcpy(tile + 16 + 2 * j, &m, 2);
+          uint8_t values[kBlock];
+          for (int i = 0; i < 16; ++i) {
+            values[i] = qs[i] & 0x0F;
+            values[i + 16] = qs[i] >> 4;
+          }
+          for (int v = 0; v < 4; ++v)
+            for (int t = 0; t < 4; ++t)
+              tile[32 + 32 * v + 4 * j + t] = values[8 * v + t] | (values[8 * v + 4 + t] << 4);
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+// One row of fp32 -> int8 per block of 32: scale = amax / 127, q = round-half-even(x * 127 / amax)
+// (llama.cpp's quantize_row_q8_0 with an fp32 scale), and scale * sum(q) for the Q4 min term.
+void quantize_row(const float* x, int64_t nb, int8_t* q, float* scale, float* scaled_sum) {
+  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * kBlock;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float max_abs = _mm_cvtss_f32(m4);
+    const float inv = max_abs != 0.0f ? 127.0f / max_abs : 0.0f;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    __m256i iv[4];
+    __m256i isum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      iv[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      isum = _mm256_add_epi32(isum, iv[i]);
+    }
+    // Pack 4 x 8 int32 to 32 int8; packs works per 128-bit lane, the permute restores order.
+    const __m256i p01 = _mm256_packs_epi32(iv[0], iv[1]);
+    const __m256i p23 = _mm256_packs_epi32(iv[2], iv[3]);
+    const __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), p);
+    const float d = max_abs / 127.0f;
+    scale[b] = d;
+    scaled_sum[b] = d * static_cast<float>(hsum_epi32(isum));
+  }
+}
+
+// MR rows x the 8 columns of one tile group, over all K/32 blocks.
+template <int MR, bool kQ8>
+void tile_dot(const uint8_t* tiles, int64_t nb, const int8_t* qa, int64_t k, const float* da, const float* sa,
+              float* out, int64_t ldo, int64_t ncols, const float* bias) {
+  const int64_t tb = kQ8 ? tile_bytes(kQ8_0) : tile_bytes(kQ4_1);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* t = tiles + b * tb;
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+    __m256i isum[MR];
+    if constexpr (kQ8) {
+      for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 16 + 32 * c));
+        const __m256i w_abs = _mm256_abs_epi8(w);
+        for (int r = 0; r < MR; ++r) {
+          const __m256i a = _mm256_set1_epi32(load_i32(qa + r * k + b * kBlock + 4 * c));
+          const __m256i pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(a, w));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    } else {
+      // Eight maddubs of nibbles (<= 15) by int8 (|a| <= 127) sum to <= 30,480: int16 holds them.
+      __m256i i16[MR];
+      for (int r = 0; r < MR; ++r) i16[r] = _mm256_setzero_si256();
+      for (int v = 0; v < 4; ++v) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 + 32 * v));
+        const __m256i lo = _mm256_and_si256(raw, low_nibbles);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low_nibbles);
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* a = qa + r * k + b * kBlock + 8 * v;
+          i16[r] = _mm256_add_epi16(i16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(a))));
+          i16[r] = _mm256_add_epi16(i16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(a + 4))));
+        }
+      }
+      for (int r = 0; r < MR; ++r) isum[r] = _mm256_madd_epi16(i16[r], ones);
+    }
+    for (int r = 0; r < MR; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dw, _mm256_set1_ps(da[r * nb + b])), acc[r]);
+    if constexpr (!kQ8) {
+      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16)));
+      for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sa[r * nb + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    if (bias != nullptr) acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(bias));
+    if (ncols == kTileCols) {
+      _mm256_storeu_ps(out + r * ldo, acc[r]);
+    } else {
+      float tmp[kTileCols];
+      _mm256_storeu_ps(tmp, acc[r]);
+      std::memcpy(out + r * ldo, tmp, ncols * sizeof(float));
+    }
+  }
+}
+
+template <bool kQ8>
+void rows_dot(int64_t rows, const uint8_t* tiles, int64_t nb, const int8_t* qa, int64_t k, const float* da,
+              const float* sa, float* out, int64_t ldo, int64_t ncols, const float* bias) {
+  switch (rows) {
+    case 1: return tile_dot<1, kQ8>(tiles, nb, qa, k, da, sa, out, ldo, ncols, bias);
+    case 2: return tile_dot<2, kQ8>(tiles, nb, qa, k, da, sa, out, ldo, ncols, bias);
+    case 3: return tile_dot<3, kQ8>(tiles, nb, qa, k, da, sa, out, ldo, ncols, bias);
+    default: return tile_dot<4, kQ8>(tiles, nb, qa, k, da, sa, out, ldo, ncols, bias);
+  }
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t out_features,
+                        const std::optional<at::Tensor>& bias) {
+  check_qtype(qtype);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1, "quant_linear: x must be float32");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.size(2) == tile_bytes(qtype),
+              "quant_linear: packed must come from quant_repack with the same qtype");
+  const int64_t k = x.size(-1), nb = packed.size(1), ng = packed.size(0);
+  TORCH_CHECK(k == nb * kBlock, "quant_linear: x has ", k, " input features, the weight ", nb * kBlock);
+  TORCH_CHECK(out_features > (ng - 1) * kTileCols && out_features <= ng * kTileCols,
+              "quant_linear: out_features ", out_features, " does not match the packed weight");
+  // The epilogue reads a full tile of bias; pad a copy when the last tile is partial.
+  at::Tensor bias_padded;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == out_features,
+                "quant_linear: bias must be float32 [out_features]");
+    bias_padded = at::zeros({ng * kTileCols}, bias->options());
+    bias_padded.narrow(0, 0, out_features).copy_(*bias);
+  }
+  const at::Tensor in = x.contiguous();
+  const int64_t m = k ? in.numel() / k : 0;
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = out_features;
+  at::Tensor out = at::empty(out_shape, x.options());
+  if (m == 0) return out;
+
+  at::Tensor qa = at::empty({m, k}, x.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({2, m, nb}, x.options());
+  const float* src = in.data_ptr<float>();
+  int8_t* qa_ptr = qa.data_ptr<int8_t>();
+  float* da = scales.data_ptr<float>();
+  float* sa = da + m * nb;
+  at::parallel_for(0, m, 32, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) quantize_row(src + r * k, nb, qa_ptr + r * k, da + r * nb, sa + r * nb);
+  });
+
+  const uint8_t* tiles = packed.data_ptr<uint8_t>();
+  const int64_t tb = packed.size(2);
+  const float* bias_ptr = bias.has_value() ? bias_padded.data_ptr<float>() : nullptr;
+  float* dst = out.data_ptr<float>();
+  // Columns are split across threads (even the 1-row case has >= 72 tile groups on
+  // this model); each task keeps its groups' weights in cache while it walks the rows.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(1, m * k * kTileCols));
+  at::parallel_for(0, ng, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t ncols = std::min(kTileCols, out_features - g * kTileCols);
+      const float* bias_g = bias_ptr ? bias_ptr + g * kTileCols : nullptr;
+      for (int64_t r = 0; r < m; r += kRowTile) {
+        const int64_t rows = std::min(kRowTile, m - r);
+        float* o = dst + r * out_features + g * kTileCols;
+        if (qtype == kQ8_0)
+          rows_dot<true>(rows, tiles + g * nb * tb, nb, qa_ptr + r * k, k, da + r * nb, sa + r * nb, o, out_features, ncols, bias_g);
+        else
+          rows_dot<false>(rows, tiles + g * nb * tb, nb, qa_ptr + r * k, k, da + r * nb, sa + r * nb, o, out_features, ncols, bias_g);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("quant_repack(Tensor blocks, int qtype) -> Tensor", &quant_repack);
+  m.def("quant_linear(Tensor x, Tensor packed, int qtype, int out_features, Tensor? bias) -> Tensor", &quant_linear);
+}
+
+}  // namespace pagedserve::quant

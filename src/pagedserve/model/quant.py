@@ -1,0 +1,143 @@
+"""Weight-only quantisation in llama.cpp's block formats (Q8_0, Q4_0, Q4_1), and the
+linear and embedding modules that run on those blocks.
+
+A block is 32 consecutive input values of one output row, stored exactly as a GGUF
+file stores it (so `gguf.quants` reads our bytes and we read a file's bytes as they
+are): Q8_0 = fp16 scale + 32 int8; Q4_0 = fp16 scale + 16 bytes of nibbles (value
+d * (q - 8)); Q4_1 = fp16 scale, fp16 min + 16 bytes of nibbles (d * q + m); byte j
+of a 4-bit block holds value j low and value j + 16 high. A weight [N, K] is then a
+uint8 tensor [N, K / 32 * block bytes]: rows stay rows, so fusing q/k/v or gate/up
+(concatenating rows) and undoing llama.cpp's q/k row permutation work on raw blocks.
+
+QuantLinear repacks the blocks once for pagedserve's native op (kernels/csrc/
+quant_linear.cpp); there is no pure-torch forward, since dequantising every call would
+be slower than the fp32 layer it replaces: quantised models need the native kernels.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels import native_unavailable_reason
+
+BLOCK = 32
+from .config import QTYPES
+
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+QTYPE_NAMES = {v: k for k, v in QTYPES.items()}
+
+
+def _check_shape(w: torch.Tensor) -> None:
+    if w.dim() != 2 or w.shape[1] % BLOCK:
+        raise ValueError(f"quantised weights need [rows, K] with K a multiple of {BLOCK}, got {tuple(w.shape)}")
+
+
+def _half_bytes(x: torch.Tensor) -> torch.Tensor:
+    """[..., n] fp32 -> [..., n, 2] the fp16 bytes (little-endian, as GGUF stores them)."""
+    return x.to(torch.float16).contiguous().view(torch.uint8).view(*x.shape, 2)
+
+
+def _round_half_away(x: torch.Tensor) -> torch.Tensor:
+    """C's roundf (ties away from zero; torch.round ties to even)."""
+    r = torch.trunc(x)
+    return r + torch.where((x - r).abs() >= 0.5, torch.sign(x), 0.0)
+
+
+def quantize_blocks(w: torch.Tensor, qtype: int) -> torch.Tensor:
+    """fp32 [N, K] -> GGUF blocks uint8 [N, K / 32 * block bytes], rounding as llama.cpp's
+    reference quantisers do (quantize_row_q8_0_ref, q4_0_ref, q4_1_ref)."""
+    _check_shape(w)
+    n, k = w.shape
+    x = w.float().reshape(n, k // BLOCK, BLOCK)
+    if qtype == QTYPES["q8_0"]:
+        d = x.abs().amax(-1) / 127
+        inv = torch.where(d != 0, 1 / d, 0.0)
+        q = _round_half_away(x * inv[..., None]).to(torch.int8)
+        blocks = torch.cat([_half_bytes(d), q.view(torch.uint8)], dim=-1)
+    elif qtype == QTYPES["q4_0"]:
+        # The value of largest magnitude maps to -8 (llama.cpp keeps its sign).
+        idx = x.abs().argmax(-1, keepdim=True)
+        d = x.gather(-1, idx).squeeze(-1) / -8
+        inv = torch.where(d != 0, 1 / d, 0.0)
+        q = torch.clamp(torch.trunc(x * inv[..., None] + 8.5), max=15).to(torch.uint8)
+        blocks = torch.cat([_half_bytes(d), q[..., :16] | (q[..., 16:] << 4)], dim=-1)
+    elif qtype == QTYPES["q4_1"]:
+        lo, hi = x.amin(-1), x.amax(-1)
+        d = (hi - lo) / 15
+        inv = torch.where(d != 0, 1 / d, 0.0)
+        q = torch.clamp(torch.trunc((x - lo[..., None]) * inv[..., None] + 0.5), max=15).to(torch.uint8)
+        blocks = torch.cat([_half_bytes(d), _half_bytes(lo), q[..., :16] | (q[..., 16:] << 4)], dim=-1)
+    else:
+        raise ValueError(f"unsupported qtype {qtype}; supported: {QTYPES}")
+    return blocks.reshape(n, -1).contiguous()
+
+
+def dequantize_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """GGUF blocks uint8 [N, row bytes] -> fp32 [N, K]."""
+    bb = BLOCK_BYTES[qtype]
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, bb)
+    d = b[..., :2].contiguous().view(torch.float16).float()
+    if qtype == QTYPES["q8_0"]:
+        w = d * b[..., 2:].contiguous().view(torch.int8).float()
+    else:
+        qs = b[..., -16:]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
+        if qtype == QTYPES["q4_0"]:
+            w = d * (q - 8)
+        else:
+            w = d * q + b[..., 2:4].contiguous().view(torch.float16).float()
+    return w.reshape(n, -1)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The native op's on-the-fly activation quantisation, in torch (for tests and
+    references): per row, per 32 values, q = round-half-even(x * 127 / amax), scale
+    amax / 127. Returns (int8 values, fp32 scales [..., K / 32])."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # Tensor / tensor: a Python number over a tensor is computed as reciprocal * number in
+    # torch, one rounding more than the op's 127.0f / amax.
+    inv = torch.where(amax != 0, torch.full_like(amax, 127.0) / amax, 0.0)
+    q = torch.round(blocks * inv).to(torch.int8)
+    return q.reshape(x.shape), (amax / 127).squeeze(-1)
+
+
+class QuantLinear(nn.Module):
+    """A linear layer on Q8_0 / Q4_0 / Q4_1 blocks; `bias` (fp32) optional."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None = None):
+        super().__init__()
+        if qtype not in BLOCK_BYTES:
+            raise ValueError(f"unsupported qtype {qtype}; supported: {QTYPES}")
+        reason = native_unavailable_reason()  # also loads the library
+        if reason is not None:
+            raise ValueError(f"quantised linear layers need pagedserve's native kernels, which cannot run here: {reason}")
+        self.qtype = qtype
+        self.out_features = blocks.shape[0]
+        self.in_features = blocks.shape[1] // BLOCK_BYTES[qtype] * BLOCK
+        # Plain attributes, not parameters or buffers: the model's state dict keeps the
+        # checkpoint's names and layout, which these replace (LlamaModel.load_weights).
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.packed = torch.ops.pagedserve.quant_repack(blocks.contiguous(), qtype)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, qtype: int, bias: torch.Tensor | None = None) -> "QuantLinear":
+        return cls(quantize_blocks(weight, qtype), qtype, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.pagedserve.quant_linear(x, self.packed, self.qtype, self.out_features, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {QTYPE_NAMES[self.qtype]}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding kept in its file's blocks; looked-up rows are dequantised."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: int):
+        super().__init__()
+        self.blocks, self.qtype = blocks, qtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize_blocks(self.blocks.index_select(0, ids.reshape(-1)), self.qtype).reshape(*ids.shape, -1)

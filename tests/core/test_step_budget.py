@@ -1,0 +1,108 @@
+"""The latency-target budget rule (core/step_budget.py) as a pure function."""
+import math
+
+import pytest
+
+from pagedserve.core.step_budget import (
+    LatencyTarget,
+    StepBudget,
+    StepTimeCorrection,
+    StepTimeModel,
+    choose_budget,
+    max_prefill_tokens,
+    predict_step,
+    prefill_pairs,
+)
+
+MODEL = StepTimeModel(fixed_s=0.04, per_token_s=0.002, per_sample_s=0.001, per_context_token_s=1e-5,
+                      per_pair_s=3e-6)
+
+
+def test_prediction_adds_what_the_step_carries():
+    # 3 decodes at contexts 10, 20, 30 and a 100-token chunk after 50 tokens, 4 samples.
+    rows = [(1, 10), (1, 20), (1, 30), (100, 50)]
+    expected = 0.04 + 0.002 * 103 + 0.001 * 4 + 1e-5 * 63 + 3e-6 * prefill_pairs(100, 50)
+    assert predict_step(MODEL, rows, 4) == pytest.approx(expected)
+    assert prefill_pairs(100, 50) == 100 * 50 + 5050
+
+
+@pytest.mark.parametrize("context", [0, 100, 2000])
+def test_max_prefill_tokens_is_the_largest_that_fits(context):
+    for seconds in (0.05, 0.3, 1.0, 5.0):
+        n = max_prefill_tokens(MODEL, seconds, 0.04, context)
+        cost = lambda k: 0.04 + MODEL.per_token_s * k + MODEL.per_pair_s * prefill_pairs(k, context)  # noqa: E731
+        assert cost(n) <= seconds + 1e-12
+        assert cost(n + 1) > seconds
+
+
+def test_budget_is_monotone_in_the_target_and_never_above_the_cap():
+    budgets = [choose_budget(MODEL, LatencyTarget(itl_s=t / 1000), 2048, 16, 16 * 300) for t in range(50, 5000, 50)]
+    assert budgets == sorted(budgets)
+    assert budgets[0] < budgets[-1] and all(b <= 2048 for b in budgets)
+    assert choose_budget(MODEL, LatencyTarget(itl_s=100.0), 2048, 16, 16 * 300) == 2048
+    for cap in (1, 17, 300):
+        assert choose_budget(MODEL, LatencyTarget(itl_s=10.0), cap, 16, 0) <= cap
+
+
+def test_a_waiting_prompt_always_advances_a_minimum_chunk():
+    # 64 decodes over long contexts already exceed a 50 ms target: the prompt still gets 16.
+    target = LatencyTarget(itl_s=0.05, min_chunk=16)
+    assert choose_budget(MODEL, target, 2048, 64, 64 * 2000) == 64 + 16
+
+
+def test_no_decodes_running_uses_the_ttft_target_or_the_cap():
+    assert choose_budget(MODEL, LatencyTarget(itl_s=0.1), 2048, 0, 0) == 2048
+    n = choose_budget(MODEL, LatencyTarget(itl_s=0.1, ttft_s=1.0), 2048, 0, 0)
+    assert n == max_prefill_tokens(MODEL, 1.0, MODEL.fixed_s + MODEL.per_sample_s, 0)
+    assert 16 < n < 2048
+
+
+def test_no_target_is_the_fixed_budget():
+    assert choose_budget(MODEL, LatencyTarget(), 256, 10, 1000) == 256
+
+
+def test_a_slower_machine_gets_smaller_budgets():
+    fast = choose_budget(MODEL, LatencyTarget(itl_s=0.5), 2048, 8, 800, scale=1.0)
+    slow = choose_budget(MODEL, LatencyTarget(itl_s=0.5), 2048, 8, 800, scale=2.0)
+    assert slow < fast
+
+
+def test_correction_follows_the_machine_but_one_stall_cannot_swing_it():
+    c = StepTimeCorrection(alpha=0.1, step_bound=2.0, total_bound=4.0)
+    c.observe(0.1, 100.0)  # a 1000x stall counts as 2x
+    assert c.scale == pytest.approx(0.9 + 0.1 * 2.0)
+    for _ in range(200):
+        c.observe(0.1, 0.15)
+    assert c.scale == pytest.approx(1.5, rel=1e-3)
+    for _ in range(500):
+        c.observe(0.1, 100.0)
+    assert c.scale == 4.0  # bounded overall
+    c.observe(0.0, 1.0)
+    c.observe(0.1, math.nan)
+    assert c.scale == 4.0 and c.num_observed == 701
+
+
+def test_step_budget_learns_from_observed_steps():
+    budget = StepBudget(MODEL, LatencyTarget(itl_s=0.5), 2048)
+    before = budget.budget(8, 800)
+    for _ in range(100):
+        budget.observe([(1, 100)] * 8, 8, 2 * predict_step(MODEL, [(1, 100)] * 8, 8))
+    assert budget.correction.scale == pytest.approx(2.0, rel=1e-3)
+    assert budget.budget(8, 800) < before
+
+
+@pytest.mark.parametrize("bad", [dict(itl_s=0), dict(ttft_s=-1.0), dict(itl_s=math.inf), dict(min_chunk=0),
+                                 dict(min_chunk=True)])
+def test_invalid_targets_name_the_field(bad):
+    field = next(iter(bad))
+    with pytest.raises(ValueError, match=field):
+        LatencyTarget(**bad)
+
+
+def test_invalid_models_name_the_field():
+    with pytest.raises(ValueError, match="per_token_s"):
+        StepTimeModel(0.0, 0.0, 0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="per_pair_s"):
+        StepTimeModel(0.0, 1.0, 0.0, 0.0, -1.0)
+    with pytest.raises(ValueError, match="cap"):
+        StepBudget(MODEL, LatencyTarget(), 0)

@@ -1,0 +1,102 @@
+"""The server publishes an exact OpenAPI document, and schemathesis finds nothing in it.
+
+The document is generated from the models that parse the requests, so a bound in the
+schema is a bound the server enforces; the property-based run below sends a few hundred
+schema-valid and schema-invalid bodies to every operation (`make fuzz` sends 10,000).
+"""
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+
+from pagedserve.entrypoints.openai.openapi import REQUEST_MODELS
+from pagedserve.entrypoints.openai.protocol import MAX_STOP_STRINGS
+from pagedserve.sampling_params import MAX_ABS_PENALTY, MAX_LOGPROBS
+
+from .api_fuzz import FUZZ_SERVER_FLAGS, fuzz_operation, load_schema, summary
+from .server_process import start_server
+
+# Per operation and generation mode (positive + negative: twice this per operation).
+EXAMPLES = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", "100"))
+ROUTES = {("post", "/v1/completions"), ("post", "/v1/chat/completions"), ("get", "/v1/models"),
+          ("post", "/tokenize"), ("post", "/detokenize"), ("get", "/health"), ("get", "/metrics"),
+          ("get", "/version")}
+
+
+@pytest.fixture(scope="module")
+def document(http) -> dict:
+    r = http.get("/openapi.json")
+    assert r.status_code == 200
+    return r.json()
+
+
+def _variant(schema: dict, key: str) -> dict:
+    """The non-null member of an optional field's anyOf (or the schema itself)."""
+    return next((s for s in schema.get("anyOf", [schema]) if s.get("type") != "null" and key in s), schema)
+
+
+def test_every_route_and_every_request_field_is_documented(document):
+    assert {(method, path) for path, ops in document["paths"].items() for method in ops} == ROUTES
+    schemas = document["components"]["schemas"]
+    for model in REQUEST_MODELS:
+        assert set(schemas[model.__name__]["properties"]) == set(model.model_fields), model.__name__
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        op = document["paths"][path]["post"]
+        assert op["requestBody"]["required"] is True
+        assert {"200", "400", "401", "413", "500"} <= set(op["responses"])
+        assert op["responses"]["400"]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/ErrorResponse"}
+    error = schemas["ErrorDetail"]
+    assert set(error["required"]) == {"message", "type", "param", "code"}
+
+
+def test_bounds_are_in_the_schema(document):
+    fields = document["components"]["schemas"]["CompletionRequest"]["properties"]
+    chat = document["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert _variant(fields["n"], "minimum")["minimum"] == 1
+    assert _variant(fields["temperature"], "minimum")["minimum"] == 0
+    assert _variant(fields["top_p"], "maximum") == {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
+    assert _variant(fields["logprobs"], "maximum")["maximum"] == MAX_LOGPROBS
+    assert _variant(chat["top_logprobs"], "maximum")["maximum"] == MAX_LOGPROBS
+    assert _variant(fields["presence_penalty"], "maximum")["maximum"] == MAX_ABS_PENALTY
+    assert any(s.get("maxItems") == MAX_STOP_STRINGS for s in fields["stop"]["anyOf"])
+    assert _variant(fields["max_tokens"], "minimum")["minimum"] == 0  # 0 with echo scores the prompt
+    assert _variant(chat["max_tokens"], "minimum")["minimum"] == 1
+    assert "prompt" in document["components"]["schemas"]["CompletionRequest"]["required"]
+    assert len(fields["prompt"]["anyOf"]) == 4
+
+
+def test_docs_page_is_served(http):
+    r = http.get("/docs")
+    assert r.status_code == 200 and "/openapi.json" in r.text
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(server_logs):
+    proc = start_server(server_logs, *FUZZ_SERVER_FLAGS)
+    yield proc
+    assert proc.stop() == 0
+    assert "Traceback" not in proc.log()
+
+
+@pytest.fixture(scope="module")
+def fuzz_schema(fuzz_server):
+    return load_schema(fuzz_server.url)
+
+
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+@pytest.mark.parametrize("label", sorted(f"{m.upper()} {p}" for m, p in ROUTES))
+def test_schemathesis_finds_nothing(fuzz_server, fuzz_schema, label, mode):
+    from schemathesis import GenerationMode
+
+    operation = next(r.ok() for r in fuzz_schema.get_all_operations() if r.ok().label == label)
+    run = fuzz_operation(operation, fuzz_server.url, GenerationMode(mode), EXAMPLES, seed=17)
+    print(summary(run))
+    assert not run.failures, "\n".join(run.failures)
+    takes_input = label.startswith("POST")
+    if takes_input or mode == "positive":
+        assert run.cases > 0
+    assert all(status < 500 for status in run.statuses)
+    assert httpx.get(fuzz_server.url + "/health", timeout=10).status_code == 200

@@ -1,0 +1,223 @@
+"""The native paged-attention and cache-write ops, and the backend built on them,
+against the per-sequence reference."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedserve.attention.backend import ReferenceBackend, write_kv
+from pagedserve.attention.cpu_backend import PREFILL_MIN_QUERY_LEN, CpuPagedAttention
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.native_backend import NativePagedAttention
+from pagedserve.attention.selector import default_backend_name, get_backend
+from pagedserve.attention.testing import random_step
+from pagedserve.kernels import native_unavailable_reason
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native_library():
+    # Not a skip: a broken build must fail these tests, not hide them.
+    assert native_unavailable_reason() is None
+
+
+@pytest.fixture
+def threads(request):
+    """Run the test with request.param torch threads, restoring the count after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def reference(q, k, v, cache, meta, scale) -> torch.Tensor:
+    return ReferenceBackend().forward(q, k, v, cache.clone(), meta, scale)
+
+
+def native_op(q, cache, meta, scale, seqs=None) -> torch.Tensor:
+    out = torch.zeros(q.shape[0], q.shape[1] * q.shape[2])
+    ids = torch.arange(meta.num_seqs) if seqs is None else torch.tensor(seqs, dtype=torch.int64)
+    torch.ops.pagedserve.paged_attention_(
+        out, q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, ids, scale
+    )
+    return out
+
+
+def assert_op_matches(seqs, num_heads, num_kv_heads, head_dim, block_size, seed=0):
+    q, k, v, cache, meta = random_step(seqs, num_heads, num_kv_heads, head_dim, block_size, seed)
+    scale = head_dim**-0.5
+    expected = reference(q, k, v, cache, meta, scale)
+    write_kv(k, v, cache, meta.slot_mapping)
+    torch.testing.assert_close(native_op(q, cache, meta, scale), expected, rtol=1e-5, atol=2e-6)
+
+
+def assert_backend_matches(seqs, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=0, meta=None):
+    q, k, v, cache, random_meta = random_step(seqs, num_heads, num_kv_heads, head_dim, block_size, seed)
+    meta = meta or random_meta
+    scale = head_dim**-0.5
+    expected_cache = cache.clone()
+    expected = ReferenceBackend().forward(q, k, v, expected_cache, meta, scale)
+    got = NativePagedAttention().forward(q, k, v, cache, meta, scale)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
+    assert torch.equal(cache, expected_cache)
+
+
+HEADS = pytest.mark.parametrize(
+    "num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 2), (16, 2)], ids=["gqa1", "gqa3", "gqa4", "gqa8"]
+)
+
+
+@HEADS
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decodes_on_and_off_block_boundaries(num_heads, num_kv_heads, head_dim, block_size):
+    lengths = (1, 2, 15, 16, 17, 31, 32, 33, 65, 513)
+    assert_op_matches([(1, n) for n in lengths], num_heads, num_kv_heads, head_dim, block_size)
+
+
+@HEADS
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_short_queries_are_causal_within_their_new_tokens(num_heads, num_kv_heads, head_dim):
+    # Verification rows and prompts below PREFILL_MIN_QUERY_LEN, some wholly new, some
+    # ending on, just after or just before a block boundary.
+    seqs = [(2, 9), (5, 40), (3, 3), (15, 15), (4, 17), (PREFILL_MIN_QUERY_LEN - 1, 48), (7, 33), (1, 1)]
+    assert_op_matches(seqs, num_heads, num_kv_heads, head_dim, 16)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5], indirect=True)
+@pytest.mark.parametrize("seq_len", [1, 255, 256, 257, 300, 1000, 4096])
+def test_one_sequence_split_across_threads(threads, seq_len):
+    # Fewer sequences than work slots: the context is cut into partitions and merged,
+    # including partitions that end inside a block and one a causal row cannot see.
+    assert_op_matches([(1, seq_len)], 9, 3, 64, 16)
+    if seq_len >= 5:
+        assert_op_matches([(5, seq_len)], 9, 3, 64, 16)
+
+
+@pytest.mark.parametrize("threads", [2], indirect=True)
+def test_many_sequences_of_uneven_lengths(threads):
+    rnd = random.Random(1)
+    seqs = [(rnd.choice([1, 1, 1, 3, 5]), rnd.randint(5, 2100)) for _ in range(12)]
+    assert_op_matches(seqs, 9, 3, 64, 16, seed=3)
+
+
+def test_only_the_chosen_sequences_are_written():
+    q, k, v, cache, meta = random_step([(1, 30), (20, 50), (2, 9)], 9, 3, 64, 16)
+    expected = reference(q, k, v, cache, meta, 0.125)
+    write_kv(k, v, cache, meta.slot_mapping)
+    got = native_op(q, cache, meta, 0.125, seqs=[2, 0])
+    rows = [0, 21, 22]
+    torch.testing.assert_close(got[rows], expected[rows], rtol=1e-5, atol=2e-6)
+    assert not got[1:21].any()
+
+
+def test_blocks_shared_between_sequences():
+    # A prefix-cached prompt: three sequences read the same first blocks; one has a
+    # private copy of the last shared block (copy-on-write), in any order in the pool.
+    block_size = 16
+    shared = [7, 2, 9]
+    tables = [shared + [4], shared + [0, 5], shared[:2] + [8], [3, 1]]
+    seqs = [(1, 60), (3, 80), (2, 40), (1, 20)]
+    q, k, v, cache, _ = random_step([(1, 16 * 10)], 9, 3, 64, block_size)
+    num_tokens = sum(n for n, _ in seqs)
+    q, k, v = torch.randn(num_tokens, 9, 64), torch.randn(num_tokens, 3, 64), torch.randn(num_tokens, 3, 64)
+    meta = AttentionMetadata.for_sequences([n for n, _ in seqs], [s for _, s in seqs], tables, block_size)
+    expected = reference(q, k, v, cache, meta, 0.125)
+    got = NativePagedAttention().forward(q, k, v, cache, meta, 0.125)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_backend_on_a_mixed_step(threads):
+    # Decodes, verification rows, small chunks and long chunks with and without context.
+    long = PREFILL_MIN_QUERY_LEN + 5
+    seqs = [(1, 12), (long, long + 9), (4, 57), (1, 3), (long + 3, long + 3), (9, 16), (300, 700), (1, 1500)]
+    assert_backend_matches(seqs)
+    assert_backend_matches(seqs, num_heads=8, num_kv_heads=1, head_dim=128, block_size=32, seed=1)
+
+
+def test_backend_skips_sequences_without_new_tokens():
+    q, k, v, cache, meta = random_step([(1, 5), (0, 9), (2, 7)], 9, 3, 64, 16)
+    got = NativePagedAttention().forward(q, k, v, cache.clone(), meta, 0.3)
+    expected = CpuPagedAttention().forward(q, k, v, cache, meta, 0.3)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
+
+
+def test_backend_works_in_and_out_of_inference_mode():
+    backend = NativePagedAttention()
+    q, k, v, cache, meta = random_step([(1, 9), (PREFILL_MIN_QUERY_LEN + 2, 40)], 9, 3, 64, 16)
+    expected = reference(q, k, v, cache, meta, 0.3)
+    with torch.inference_mode():
+        inside = backend.forward(q, k, v, cache.clone(), meta, 0.3)
+    torch.testing.assert_close(inside, expected, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(backend.forward(q, k, v, cache, meta, 0.3), expected, rtol=1e-5, atol=2e-6)
+
+
+def test_write_kv_op_matches_index_copy_from_strided_views():
+    _, _, _, cache, meta = random_step([(1, 7), (20, 26), (3, 12)], 9, 3, 64, 16)
+    # k and v as the model hands them over: column slices of one fused qkv row.
+    qkv = torch.randn(meta.num_tokens, (9 + 3 + 3) * 64)
+    k = qkv[:, 9 * 64 : 12 * 64].view(-1, 3, 64)
+    v = qkv[:, 12 * 64 :].view(-1, 3, 64)
+    expected = cache.clone()
+    write_kv(k, v, expected, meta.slot_mapping)
+    torch.ops.pagedserve.write_kv_(cache, k, v, meta.slot_mapping)
+    assert torch.equal(cache, expected)
+
+
+def test_write_kv_op_rejects_slots_outside_the_cache():
+    _, k, v, cache, meta = random_step([(2, 4)], 9, 3, 64, 16)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.pagedserve.write_kv_(cache, k, v, meta.slot_mapping + cache.shape[1] * 16)
+
+
+def test_selector_picks_native_for_native_kernels():
+    assert default_backend_name("native") == "native"
+    assert default_backend_name("torch") == "cpu"
+    assert isinstance(get_backend("native"), NativePagedAttention)
+
+
+@pytest.mark.slow
+@HEADS
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_long_contexts_sweep(num_heads, num_kv_heads, head_dim, block_size, threads):
+    rnd = random.Random(num_heads * head_dim + block_size)
+    seqs = [(rnd.choice([1, 2, 4, 15]), rnd.randint(16, 4096)) for _ in range(12)] + [(1, 4096)]
+    assert_op_matches(seqs, num_heads, num_kv_heads, head_dim, block_size, seed=block_size)
+    assert_backend_matches(seqs + [(200, 3000)], num_heads, num_kv_heads, head_dim, block_size)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from pagedserve.model.loader import load_model
+
+    return load_model()
+
+
+def test_engine_greedy_tokens_equal_on_both_kernel_paths_alone_and_in_a_busy_batch(loaded):
+    from engine_utils import assert_all_blocks_free, busy_batch, make_llm
+    from pagedserve import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = {}
+    for kernels, backend in (("native", "native"), ("torch", "cpu")):
+        # Small chunks, so that prompts take both paths: short chunks and long ones.
+        llm = make_llm(loaded, kernels=kernels, max_num_batched_tokens=24, max_num_seqs=8)
+        assert llm.engine.runner.backend.name == backend
+        prompts = busy_batch(llm.tokenizer)[0][:6]  # long and short, two sharing a cached prefix
+        alone = [llm.generate([prompts[i]], greedy, use_tqdm=False)[0].outputs[0].token_ids for i in (0, 1)]
+        batch = [out.outputs[0].token_ids for out in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert batch[:2] == alone
+        tokens[kernels] = batch
+        assert_all_blocks_free(llm)
+    assert tokens["native"] == tokens["torch"]
+
+
+def test_explicit_attention_backend_wins_over_the_kernel_default(loaded):
+    from engine_utils import make_llm
+
+    assert make_llm(loaded, kernels="native", attention_backend="cpu").engine.runner.backend.name == "cpu"
+    assert make_llm(loaded, kernels="torch", attention_backend="native").engine.runner.backend.name == "native"
