@@ -17,6 +17,7 @@ from .core.config import (
     chunks_prefill,
     whole_prompt_budget,
 )
+from .core.kv_plan import KV_CACHE_DTYPES, check_kv_cache_dtype
 from .core.step_budget import LatencyTarget
 from .core.validation import is_int
 from .kernels import KERNEL_CHOICES
@@ -69,6 +70,9 @@ class EngineConfig:
     quantization: str = field(default="none", metadata={
         "help": "linear-layer weights: none (fp32); q8_0, q4_0, q4_1 (llama.cpp blocks, quantised at load); "
                 "gguf (a GGUF's own blocks, not inflated to fp32). Needs the native kernels"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "KV cache elements: auto (fp32), fp32, fp16 (half the bytes), fp8_e4m3 or fp8_e5m2 (a quarter); "
+                "narrower ones are converted to fp32 as attention reads them"})
     num_threads: int | None = field(default=None, metadata={"help": "torch threads; default: all cores"})
     seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
     speculative_config: SpeculativeConfig | dict | str | None = field(default=None, metadata={
@@ -83,6 +87,7 @@ class EngineConfig:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.quantization != "none" and self.kernels == "torch":
             raise ValueError(f"quantization={self.quantization!r} runs on the native kernels; kernels='torch' has none")
         # Scheduler and cache fields are validated by core's SchedulerConfig / CacheConfig
@@ -143,9 +148,9 @@ class EngineConfig:
                 parser.add_argument(flag, type=str, default=f.default, help=help_text)
             elif f.name in ("itl_target_ms", "ttft_target_ms"):
                 parser.add_argument(flag, type=float, default=None, help=help_text)
-            elif f.name in ("policy", "scheduling_policy", "kernels", "quantization"):
+            elif f.name in ("policy", "scheduling_policy", "kernels", "quantization", "kv_cache_dtype"):
                 choices = {"policy": POLICIES, "scheduling_policy": SCHEDULING_POLICIES, "kernels": KERNEL_CHOICES,
-                           "quantization": QUANTIZATION_CHOICES}[f.name]
+                           "quantization": QUANTIZATION_CHOICES, "kv_cache_dtype": KV_CACHE_DTYPES}[f.name]
                 parser.add_argument(flag, choices=choices, default=f.default, help=help_text)
             else:
                 parser.add_argument(flag, type=int, default=f.default, help=help_text)

@@ -1,7 +1,9 @@
 """The attention backend interface and the reference implementation.
 
 A KV cache for one layer is a tensor [2, num_blocks, block_size, num_kv_heads,
-head_dim] (K at index 0, V at index 1).
+head_dim] (K at index 0, V at index 1), of float32, or of float16 / float8 when
+`--kv-cache-dtype` narrows it: stores convert (saturating at the type's largest finite
+value, as the native write does), reads convert back to fp32.
 """
 from __future__ import annotations
 
@@ -43,9 +45,24 @@ def check_step(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata)
         raise ValueError(f"q has {q.shape[0]} rows; meta.slot_mapping has {meta.num_tokens}")
 
 
+# The narrow types' largest finite values: stores saturate there (torch's own
+# conversion gives inf past fp16's and e5m2's).
+_SATURATE = {torch.float16: 65504.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if x.dtype == dtype:
+        return x
+    limit = _SATURATE.get(dtype)
+    return (x if limit is None else x.clamp(-limit, limit)).to(dtype)
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter this step's K/V rows into their cache slots."""
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    k, v = to_cache_dtype(k, kv_cache.dtype), to_cache_dtype(v, kv_cache.dtype)
+    if kv_cache.element_size() == 1:  # torch has no index_copy_ for fp8: move the bytes
+        flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
     flat[0].index_copy_(0, slot_mapping, k)
     flat[1].index_copy_(0, slot_mapping, v)
 
@@ -68,8 +85,8 @@ class ReferenceBackend:
         for i, (qlen, slen) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             nblocks = -(-slen // meta.block_size)
             blocks = meta.block_tables[i, :nblocks]
-            keys = kv_cache[0, blocks].reshape(-1, *kv_cache.shape[-2:])[:slen]
-            vals = kv_cache[1, blocks].reshape(-1, *kv_cache.shape[-2:])[:slen]
+            keys = kv_cache[0, blocks].reshape(-1, *kv_cache.shape[-2:])[:slen].float()
+            vals = kv_cache[1, blocks].reshape(-1, *kv_cache.shape[-2:])[:slen].float()
             keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, slen, D]
             vals = vals.repeat_interleave(group, dim=1).transpose(0, 1)
             qs = q[starts[i] : starts[i] + qlen].transpose(0, 1)  # [H, qlen, D]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .backend import check_step, write_kv
+from .backend import check_step, to_cache_dtype, write_kv
 from .metadata import AttentionMetadata
 
 # From this many query tokens on, a sequence gets its own call: the causal kernel
@@ -154,11 +154,11 @@ def workspace_for(workspace: torch.Tensor, kv_cache: torch.Tensor, num_blocks: i
 
 def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, workspace: torch.Tensor) -> torch.Tensor:
     """[2, len(block_ids), block_size, num_kv_heads, head_dim]: those blocks' K/V, in
-    order, copied into the front of the workspace."""
+    order, copied into the front of the workspace; as fp32 (a copy) when the cache is narrower."""
     shape = (2, block_ids.numel(), *kv_cache.shape[2:])
     buf = workspace[: math.prod(shape)].view(shape)
     torch.index_select(kv_cache, 1, block_ids, out=buf)
-    return buf
+    return buf if buf.dtype == torch.float32 else buf.float()
 
 
 def _attend_group(
@@ -215,9 +215,15 @@ def attend_prefill(
     num_kv_heads = kv_cache.shape[-2]
     queries = q[rows].transpose(0, 1).unsqueeze(0)  # [1, num_heads, query_len, head_dim]
     # Causal over the chunk itself, whose K/V are this step's k/v: nothing to gather,
-    # and the kernel skips the masked half.
+    # and the kernel skips the masked half. A narrow cache's chunk attends its own K/V
+    # as stored (rounded), as every later step will read them, so a token's output does
+    # not depend on whether its keys were in the same chunk: batch-invariant.
+    own_k, own_v = k[rows], v[rows]
+    if kv_cache.dtype != own_k.dtype:
+        own_k = to_cache_dtype(own_k, kv_cache.dtype).to(own_k.dtype)
+        own_v = to_cache_dtype(own_v, kv_cache.dtype).to(own_v.dtype)
     attended, lse = _flash_attention(
-        queries, k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0), 0.0, True, scale=scale
+        queries, own_k.transpose(0, 1).unsqueeze(0), own_v.transpose(0, 1).unsqueeze(0), 0.0, True, scale=scale
     )
     if chunk.context_len:
         kv = _gather(kv_cache, chunk.block_ids, workspace)

@@ -4,6 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# `--kv-cache-dtype`: bytes per stored K or V element. auto is the model's compute
+# dtype (fp32 on this CPU path); fp16 and fp8 are converted to fp32 on read.
+KV_CACHE_DTYPE_BYTES = {"auto": 4, "fp32": 4, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+KV_CACHE_DTYPES = tuple(KV_CACHE_DTYPE_BYTES)
+
+
+def check_kv_cache_dtype(value: str) -> str:
+    if value not in KV_CACHE_DTYPE_BYTES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {value!r}")
+    return value
+
 
 def scratch_blocks_per_seq(block_size: int, k: int) -> int:
     """Blocks that draft positions p .. p + k - 1 can touch, whatever p is."""

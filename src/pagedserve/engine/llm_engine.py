@@ -16,7 +16,7 @@ import torch
 
 from ..attention.selector import default_backend_name
 from ..config import EngineConfig, default_kv_cache_memory, default_num_threads
-from ..core.kv_plan import KVCachePlan, plan_kv_cache
+from ..core.kv_plan import KV_CACHE_DTYPE_BYTES, KVCachePlan, plan_kv_cache
 from ..core.outputs import SchedulerOutput, SchedulerStats
 from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler
@@ -84,8 +84,9 @@ def _plan_kv_cache(config: EngineConfig, target: ModelConfig, draft: LoadedModel
     """The pool that --kv-cache-memory holds beside the draft's scratch; ValueError if not one block."""
     memory = config.kv_cache_memory or default_kv_cache_memory()
     spec = config.speculative_config
-    plan = plan_kv_cache(memory, config.block_size, target.kv_bytes_per_token(),
-                         draft_kv(spec, draft.config, target, config.max_num_seqs) if draft is not None else None)
+    width = KV_CACHE_DTYPE_BYTES[config.kv_cache_dtype]
+    plan = plan_kv_cache(memory, config.block_size, target.kv_bytes_per_token(width),
+                         draft_kv(spec, draft.config, target, config.max_num_seqs, width) if draft is not None else None)
     if plan.num_blocks < 1:
         raise ValueError(f"kv_cache_memory ({memory} bytes) is below one KV block ({plan.bytes_per_block} bytes)"
                          + (f" plus {plan.scratch_bytes} bytes of draft scratch" if plan.scratch_bytes else ""))
@@ -115,6 +116,7 @@ class LLMEngine:
             eos_token_ids=tuple(self.tokenizer.stop_token_ids),
             attention_backend=config.attention_backend or default_backend_name(self.kernels),
             speculative=spec, draft=draft.model if draft is not None else None,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec is not None else None
         self.structured_outputs = StructuredOutputManager(self.tokenizer, mc.vocab_size)
@@ -128,10 +130,10 @@ class LLMEngine:
         self.speculate = True
         logger.info(
             "model %s ready in %.1f s; KV cache %.2f GiB = %d blocks of %d tokens (%d tokens); "
-            "max_model_len %d; token budget %d per step; %s kernels",
+            "max_model_len %d; token budget %d per step; %s kernels; %s KV",
             self.loaded.name, time.perf_counter() - start, plan.num_blocks * plan.bytes_per_block / 2**30,
             plan.num_blocks, config.block_size, plan.num_blocks * config.block_size, self.max_model_len,
-            self.scheduler.config.max_num_batched_tokens, self.kernels,
+            self.scheduler.config.max_num_batched_tokens, self.kernels, self.runner.kv_caches[0].dtype,
         )
 
     def _step_budget(self, cap: int) -> StepBudget | None:

@@ -52,10 +52,11 @@ def load_draft(target: LoadedModel, spec: SpeculativeConfig | None, kernels: str
     return draft
 
 
-def draft_kv(spec: SpeculativeConfig, draft: ModelConfig, target: ModelConfig, max_num_seqs: int) -> DraftKV:
+def draft_kv(spec: SpeculativeConfig, draft: ModelConfig, target: ModelConfig, max_num_seqs: int,
+             dtype_bytes: int = 4) -> DraftKV:
     """The KV a draft model needs: a self-draft runs the target's first N layers."""
     layers = spec.self_draft_layers
-    kv = draft.kv_bytes_per_token()
+    kv = draft.kv_bytes_per_token(dtype_bytes)
     if layers is not None:
         kv = kv * layers // target.num_layers
     return DraftKV(kv, own_cache=layers is None, num_seqs=spec.max_drafting_seqs(max_num_seqs),

@@ -31,7 +31,7 @@ from ..spec_decode.config import SpeculativeConfig
 from ..spec_decode.ngram import NgramProposer
 from .block_table import BlockTableRows
 from .draft_model import DraftModelProposer
-from .kv_cache import allocate_kv_caches, copy_blocks
+from .kv_cache import allocate_kv_caches, copy_blocks, kv_cache_torch_dtype
 from .prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs, plan_prompt_logprobs
 from .row_sampling import RunnerOutput, sample_rows
 
@@ -65,6 +65,7 @@ class ModelRunner:
         attention_backend: str | None = None,
         speculative: SpeculativeConfig | None = None,
         draft: LlamaModel | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         self.model = model
         self.block_size = bs = kv_plan.block_size
@@ -72,7 +73,8 @@ class ModelRunner:
         # Scratch blocks (ids num_blocks and up) belong to the runner, not the pool: a
         # self-draft writes its unverified positions there, in the layers it runs.
         num_scratch = kv_plan.num_scratch_blocks if self_layers is not None else 0
-        self.kv_caches = allocate_kv_caches(model, kv_plan.num_blocks, bs, num_scratch, self_layers or 0)
+        dtype = kv_cache_torch_dtype(kv_cache_dtype)
+        self.kv_caches = allocate_kv_caches(model, kv_plan.num_blocks, bs, dtype, num_scratch, self_layers or 0)
         self.backend = get_backend(attention_backend)
         self.block_tables = BlockTableRows(max_num_seqs, -(-max_model_len // bs))
         self.eos_token_ids = eos_token_ids
@@ -86,7 +88,7 @@ class ModelRunner:
             self._drafter = DraftModelProposer(
                 draft,
                 self.kv_caches[:self_layers] if self_layers is not None
-                else allocate_kv_caches(draft, kv_plan.num_blocks + kv_plan.num_scratch_blocks, bs),
+                else allocate_kv_caches(draft, kv_plan.num_blocks + kv_plan.num_scratch_blocks, bs, dtype),
                 self.block_tables, self.backend, bs, speculative.num_speculative_tokens,
                 scratch_start=kv_plan.num_blocks, max_num_seqs=speculative.max_drafting_seqs(max_num_seqs),
                 shares_target_cache=self_layers is not None,

@@ -9,6 +9,9 @@
 // tokens x the query heads of that KV head, GQA), with an online softmax per block. When there are fewer sequences than work slots the key
 // range is split into partitions whose partial results (unnormalised output, max,
 // sum) the last finishing partition merges, so one long sequence uses every core.
+// A cache of fp16 or fp8 elements (`--kv-cache-dtype`) is read in its own width: each
+// KV head's rows of a block are converted to fp32 once, into a buffer that stays in L1
+// while every query row of that head uses them.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -17,8 +20,10 @@
 #include <atomic>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
+#include "kv_types.h"
 #include "vec.h"
 
 namespace pagedserve {
@@ -54,9 +59,10 @@ inline __m256 transpose_sum(const __m256* a) {
 struct Problem {
   const float* q;
   int64_t q_token_stride, q_head_stride;
-  const float* k_cache;
-  const float* v_cache;
-  int64_t block_stride, token_stride;  // within one plane of the cache
+  const void* k_cache;  // elements of the cache's type (kv_types.h)
+  const void* v_cache;
+  int64_t block_stride, token_stride;  // within one plane of the cache, in elements
+  int64_t element_bytes;
   const int64_t* tables;
   int64_t table_stride;
   const int64_t* query_start;
@@ -144,9 +150,9 @@ inline void row_values(float* acc, float alpha, const float* p, const float* val
 // Blocks sit at random places in the pool, so the hardware prefetcher cannot see the
 // next one coming: fetch its first `count` token rows (every KV head) ahead of use.
 inline void prefetch_block(const Problem& p, int64_t block, int64_t count) {
-  const int64_t bytes = count * p.token_stride * static_cast<int64_t>(sizeof(float));
-  for (const float* plane : {p.k_cache, p.v_cache}) {
-    const char* base = reinterpret_cast<const char*>(plane + block * p.block_stride);
+  const int64_t bytes = count * p.token_stride * p.element_bytes;
+  for (const void* plane : {p.k_cache, p.v_cache}) {
+    const char* base = static_cast<const char*>(plane) + block * p.block_stride * p.element_bytes;
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(base + b, _MM_HINT_T0);
   }
 }
@@ -161,12 +167,25 @@ inline RowIndex row_index(int64_t r, int64_t qlen, int64_t g) {
   return {within / g, kv * g + within % g};
 }
 
+// count rows of head_dim values (stride token_stride) as fp32, packed at dst (stride d).
+template <typename T>
+void convert_rows(const T* src, int64_t token_stride, int64_t count, int64_t d, float* dst) {
+  const __m256 factor = _mm256_set1_ps(1.0f / KVType<T>::kLoadFactor);
+  for (int64_t t = 0; t < count; ++t)
+    for (int64_t i = 0; i < d; i += 8) {
+      __m256 x = KVType<T>::load8(src + t * token_stride + i);
+      if constexpr (KVType<T>::kLoadFactor != 1.0f) x = _mm256_mul_ps(x, factor);
+      _mm256_storeu_ps(dst + t * d + i, x);
+    }
+}
+
 // Online softmax of one sequence over keys [key_begin, key_end), every KV head: leaves
 // the unnormalised output in acc [rows][head_dim], the running max and sum per row.
 // One item covers all KV heads so that it walks each block's token rows contiguously.
-template <int NV>
+// kvbuf holds one block's K and V rows of one KV head as fp32 when T is narrower.
+template <int NV, typename T>
 void attend(const Problem& p, int64_t seq, int64_t key_begin, int64_t key_end, float* acc, float* row_max,
-            float* row_sum, float* qbuf) {
+            float* row_sum, float* qbuf, float* kvbuf) {
   const int64_t d = p.head_dim, nv = d / 8, g = p.group, bs = p.block_size;
   const int64_t start = p.query_start[seq], qlen = p.query_start[seq + 1] - start;
   const int64_t per_kv = qlen * g, rows = per_kv * p.num_kv_heads, first_pos = p.seq_lens[seq] - qlen;
@@ -183,13 +202,30 @@ void attend(const Problem& p, int64_t seq, int64_t key_begin, int64_t key_end, f
     const int64_t block = p.tables[seq * p.table_stride + b0 / bs];
     const int64_t n = std::min(bs, key_end - b0);
     if (b0 + bs < key_end) prefetch_block(p, p.tables[seq * p.table_stride + b0 / bs + 1], std::min(bs, key_end - b0 - bs));
+    const T* block_keys = static_cast<const T*>(p.k_cache) + block * p.block_stride;
+    const T* block_values = static_cast<const T*>(p.v_cache) + block * p.block_stride;
+    const float* keys = nullptr;
+    const float* values = nullptr;
+    int64_t stride = p.token_stride, loaded_kv = -1;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t kv = r / per_kv, token = (r % per_kv) / g;
       const int64_t count = std::min(n, first_pos + token - b0 + 1);
       if (count <= 0) continue;  // every key of this block is after this query token
-      const float* keys = p.k_cache + block * p.block_stride + kv * d;
-      const float* values = p.v_cache + block * p.block_stride + kv * d;
-      row_scores<NV>(qbuf + r * d, keys, p.token_stride, count, bs, nv, scores);
+      if (kv != loaded_kv) {
+        loaded_kv = kv;
+        if constexpr (std::is_same_v<T, float>) {
+          keys = block_keys + kv * d;
+          values = block_values + kv * d;
+        } else {
+          // Whole block: row_scores' 8-key tiles read up to the block's end.
+          convert_rows(block_keys + kv * d, p.token_stride, bs, d, kvbuf);
+          convert_rows(block_values + kv * d, p.token_stride, n, d, kvbuf + bs * d);
+          keys = kvbuf;
+          values = kvbuf + bs * d;
+          stride = d;
+        }
+      }
+      row_scores<NV>(qbuf + r * d, keys, stride, count, bs, nv, scores);
       const int64_t padded = (count + 7) & ~int64_t{7};
       std::fill(scores + count, scores + padded, kNegInf);
       __m256 vmax = _mm256_set1_ps(kNegInf);
@@ -205,18 +241,19 @@ void attend(const Problem& p, int64_t seq, int64_t key_begin, int64_t key_end, f
       }
       row_sum[r] = row_sum[r] * alpha + hsum(vsum);
       row_max[r] = new_max;
-      row_values<NV>(acc + r * d, alpha, scores, values, p.token_stride, count, nv);
+      row_values<NV>(acc + r * d, alpha, scores, values, stride, count, nv);
     }
   }
 }
 
-using AttendFn = void (*)(const Problem&, int64_t, int64_t, int64_t, float*, float*, float*, float*);
+using AttendFn = void (*)(const Problem&, int64_t, int64_t, int64_t, float*, float*, float*, float*, float*);
 
+template <typename T>
 AttendFn attend_for(int64_t head_dim) {
   switch (head_dim) {
-    case 64: return attend<8>;
-    case 128: return attend<16>;
-    default: return attend<0>;
+    case 64: return attend<8, T>;
+    case 128: return attend<16, T>;
+    default: return attend<0, T>;
   }
 }
 
@@ -259,8 +296,12 @@ void merge_parts(const Problem& p, const SplitGroup& sg, const float* partials, 
 void paged_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                       const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& seq_ids,
                       double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "paged_attention_: float32 q, kv_cache and out expected");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "paged_attention_: float32 q and out expected");
+  AttendFn fn = nullptr;
+  dispatch_kv_type(kv_cache.scalar_type(), "paged_attention_", [&](auto* type_tag) {
+    fn = attend_for<std::remove_pointer_t<decltype(type_tag)>>(q.size(2));
+  });
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_attention_: q must be [tokens, heads, head_dim], rows contiguous");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "paged_attention_: kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim]");
@@ -282,8 +323,8 @@ void paged_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
   const int64_t* sl = lens.data_ptr<int64_t>();
   const int64_t g = num_heads / hkv;
   Problem p{q.data_ptr<float>(), q.stride(0), q.stride(1),
-            kv_cache.data_ptr<float>(), kv_cache.data_ptr<float>() + kv_cache.stride(0),
-            kv_cache.stride(1), kv_cache.stride(2),
+            kv_cache.data_ptr(), static_cast<const char*>(kv_cache.data_ptr()) + kv_cache.stride(0) * kv_cache.element_size(),
+            kv_cache.stride(1), kv_cache.stride(2), kv_cache.element_size(),
             block_tables.data_ptr<int64_t>(), block_tables.stride(0), qs, sl,
             bs, hkv, g, d, static_cast<float>(scale), out.data_ptr<float>(), out.stride(0)};
 
@@ -331,25 +372,25 @@ void paged_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
   std::unique_ptr<std::atomic<int64_t>[]> remaining(new std::atomic<int64_t>[groups.size()]);
   for (size_t i = 0; i < groups.size(); ++i) remaining[i].store(groups[i].num_parts, std::memory_order_relaxed);
 
-  const AttendFn fn = attend_for(d);
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   auto work = [&](int64_t, int64_t) {
-    std::vector<float> scratch(max_rows * (2 * d + 2));
+    std::vector<float> scratch(max_rows * (2 * d + 2) + 2 * bs * d);
     float* qbuf = scratch.data();
     float* acc = qbuf + max_rows * d;
     float* row_max = acc + max_rows * d;
     float* row_sum = row_max + max_rows;
+    float* kvbuf = row_sum + max_rows;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
       const Item& it = items[i];
       const int64_t rows = (qs[it.seq + 1] - qs[it.seq]) * num_heads;
       if (it.group_index < 0) {
-        fn(p, it.seq, it.key_begin, it.key_end, acc, row_max, row_sum, qbuf);
+        fn(p, it.seq, it.key_begin, it.key_end, acc, row_max, row_sum, qbuf, kvbuf);
         write_rows(p, it.seq, acc, row_max, row_sum);
         continue;
       }
       float* part = partials.data() + it.partial;
-      fn(p, it.seq, it.key_begin, it.key_end, part, part + rows * d, part + rows * d + rows, qbuf);
+      fn(p, it.seq, it.key_begin, it.key_end, part, part + rows * d, part + rows * d + rows, qbuf, kvbuf);
       // The part that finishes its group last merges it; acq_rel makes the others' partials visible.
       if (remaining[it.group_index].fetch_sub(1, std::memory_order_acq_rel) == 1) {
         const SplitGroup& sg = groups[it.group_index];
