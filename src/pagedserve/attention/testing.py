@@ -6,17 +6,11 @@ import torch
 from .metadata import AttentionMetadata
 
 
-def random_step(
-    seqs: list[tuple[int, int]],  # (query_len, seq_len) per sequence
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    seed: int = 0,
-    spare_blocks: int = 3,
-):
+def random_step(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                seed: int = 0, spare_blocks: int = 3):
     """q/k/v for the new tokens, a cache full of random earlier K/V, and metadata whose
-    block tables hand out the blocks of a shuffled pool (never contiguous runs)."""
+    block tables hand out the blocks of a shuffled pool (never contiguous runs);
+    `seqs` holds (query_len, seq_len) per sequence."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-seq_len // block_size) for _, seq_len in seqs]
     num_blocks = sum(blocks_per_seq) + spare_blocks  # blocks nobody owns

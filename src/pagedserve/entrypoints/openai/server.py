@@ -14,9 +14,10 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -160,23 +161,25 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     return app
 
 
+def _http_error(exc: StarletteHTTPException) -> APIError:
+    return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+
+# Every error a route can raise, as the OpenAI error shape.
+_AS_API_ERROR: dict[type[Exception], Callable[[Any], APIError]] = {
+    APIError: lambda exc: exc,
+    RequestValidationError: validation_error,
+    StarletteHTTPException: _http_error,
+    EngineDeadError: engine_error,
+}
+
+
 def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    for exc_type, as_api_error in _AS_API_ERROR.items():
+        async def handler(request: Request, exc: Exception, as_api_error=as_api_error) -> JSONResponse:
+            return as_api_error(exc).response()
 
-    @app.exception_handler(RequestValidationError)
-    async def request_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        error = APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
-        return error.response()
-
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return engine_error(exc).response()
+        app.add_exception_handler(exc_type, handler)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

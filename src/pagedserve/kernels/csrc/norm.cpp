@@ -41,45 +41,43 @@ inline void norm_row(const float* in, const float* weight, float* out, int64_t n
 // batches stay on one thread rather than paying a fork/join.
 constexpr int64_t kRowGrain = 16;
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+// A new tensor shaped like x whose row r is row_fn(x's row r, out row r, n), rows in parallel.
+template <typename RowFn>
+at::Tensor map_rows(const at::Tensor& x, const at::Tensor& weight, RowFn row_fn) {
   check_norm_args(x, weight);
   const at::Tensor in = x.contiguous();
   at::Tensor out = at::empty_like(in);
   const int64_t n = in.size(-1), rows = n ? in.numel() / n : 0;
   const float* src = in.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) norm_row(src + r * n, w, dst + r * n, n, static_cast<float>(eps));
+    for (int64_t r = begin; r < end; ++r) row_fn(r, src + r * n, dst + r * n, n);
   });
   return out;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const float* w = weight.data_ptr<float>();
+  return map_rows(x, weight, [&](int64_t, const float* in, float* out, int64_t n) {
+    norm_row(in, w, out, n, static_cast<float>(eps));
+  });
 }
 
 // residual += x (in place), then returns rms_norm(residual): the layer's running
 // hidden state and the next sub-block's normalised input from one pass over the row.
 at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
-  check_norm_args(x, weight);
   TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous() && residual.sizes() == x.sizes(),
               "add_rms_norm_: residual must be a contiguous float32 tensor shaped like x");
-  const at::Tensor in = x.contiguous();
-  at::Tensor out = at::empty_like(in);
-  const int64_t n = in.size(-1), rows = n ? in.numel() / n : 0;
-  const float* src = in.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   float* res = residual.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* row = res + r * n;
-      const float* add = src + r * n;
-      int64_t i = 0;
-      for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(row + i, _mm256_add_ps(_mm256_loadu_ps(row + i), _mm256_loadu_ps(add + i)));
-      for (; i < n; ++i) row[i] += add[i];
-      norm_row(row, w, dst + r * n, n, static_cast<float>(eps));
-    }
+  return map_rows(x, weight, [&](int64_t r, const float* add, float* out, int64_t n) {
+    float* row = res + r * n;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(row + i, _mm256_add_ps(_mm256_loadu_ps(row + i), _mm256_loadu_ps(add + i)));
+    for (; i < n; ++i) row[i] += add[i];
+    norm_row(row, w, out, n, static_cast<float>(eps));
   });
-  return out;
 }
 
 }  // namespace
