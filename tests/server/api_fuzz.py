@@ -28,6 +28,7 @@ from schemathesis import GenerationMode
 from schemathesis.checks import (content_type_conformance, negative_data_rejection, not_a_server_error,
                                  response_headers_conformance, response_schema_conformance,
                                  status_code_conformance)
+from schemathesis.core.failures import FailureGroup
 
 # Not positive_data_acceptance: the schema cannot say "prompt tokens + max_tokens within
 # the context" or "token ids below the vocabulary size", so some bodies it allows get a
@@ -72,7 +73,9 @@ def fuzz_operation(operation: schemathesis.APIOperation, base_url: str, mode: Ge
         run.statuses[response.status_code] += 1
         try:
             case.validate_response(response, checks=CHECKS)
-        except AssertionError as failure:  # schemathesis' failures subclass AssertionError
+        # One failing check is an AssertionError; several come as a FailureGroup (an
+        # ExceptionGroup, which `except AssertionError` does not catch).
+        except (AssertionError, FailureGroup) as failure:
             if len(run.failures) < 20:
                 run.failures.append(f"{response.status_code} {case.body!r:.300}: {str(failure)[:600]}")
 

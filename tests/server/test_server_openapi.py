@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import httpx
+import jsonschema
 import pytest
 
 from pagedserve.entrypoints.openai.openapi import REQUEST_MODELS
@@ -66,6 +67,24 @@ def test_bounds_are_in_the_schema(document):
     assert _variant(chat["max_tokens"], "minimum")["minimum"] == 1
     assert "prompt" in document["components"]["schemas"]["CompletionRequest"]["required"]
     assert len(fields["prompt"]["anyOf"]) == 4
+
+
+@pytest.mark.parametrize("body", [
+    {"echo": True, "logprobs": 2, "max_tokens": 0},
+    {"echo": True, "logprobs": 1, "max_tokens": 2},
+    {"logprobs": 3, "max_tokens": 2},
+], ids=["echo-max-tokens-0", "echo-and-generate", "generate"])
+def test_logprob_responses_match_the_document(http, document, body):
+    # make fuzz found this: with echo the first prompt token's logprob is null, which the
+    # documented CompletionLogprobs did not allow.
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    r = http.post("/v1/completions", json={"model": model, "prompt": "The capital of France is", "temperature": 0,
+                                           **body})
+    assert r.status_code == 200, r.text
+    logprobs = r.json()["choices"][0]["logprobs"]
+    assert (logprobs["token_logprobs"][0] is None) == body.get("echo", False)
+    schema = {"$ref": "#/components/schemas/CompletionResponse", "components": document["components"]}
+    jsonschema.validate(r.json(), schema)
 
 
 def test_docs_page_is_served(http):
