@@ -231,3 +231,40 @@ def test_long_contexts_sweep(num_heads, num_kv_heads, head_dim, block_size, kv_d
     rnd = random.Random(num_heads * head_dim + block_size)
     seqs = [(rnd.choice([1, 1, 2, 4, 15]), rnd.randint(16, 1500)) for _ in range(10)] + [(1, 2048), (150, 900)]
     assert_backend_matches(seqs, num_heads, num_kv_heads, head_dim, block_size, KV_DTYPES[kv_dtype], seed=block_size)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(gguf_path, tmp_path_factory):
+    """A two-layer random-weight Llama (4 query / 2 KV heads of 32): small enough for
+    the interpreter to run every attention layer of a few engine steps."""
+    import transformers
+
+    from pagedserve.model.loader import load_model
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = load_model(gguf_path).tokenizer
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save(folder)
+    return load_model(folder)
+
+
+def test_engine_greedy_output_equals_the_cpu_backend(tiny_model):
+    from engine_utils import assert_all_blocks_free, make_llm
+    from pagedserve import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    shared = list(range(100, 140))  # two prompts share two and a half blocks: a prefix-cache hit
+    prompts = [shared + [7, 8, 9], list(range(300, 311)), shared + [5]]
+    tokens = {}
+    for backend in ("cpu", "triton"):
+        # A 16-token budget: the long prompts are prefilled in chunks over their cached context.
+        llm = make_llm(tiny_model, attention_backend=backend, max_num_batched_tokens=16, max_num_seqs=4)
+        assert llm.engine.runner.backend.name == backend
+        tokens[backend] = [out.outputs[0].token_ids for out in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert_all_blocks_free(llm)
+    assert tokens["triton"] == tokens["cpu"]
