@@ -63,15 +63,17 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_backend_matches(seqs, num_heads, num_kv_heads, head_dim, block_size, kv_dtype=torch.float32,
-                           seed=0, meta=None):
-    """The backend's output and cache bytes against the reference's, from one random step."""
+                           seed=0, meta=None, decode_segments=2):
+    """The backend's output and cache bytes against the reference's, from one random step.
+    Decode steps are split in two by default (the interpreter pays for every program;
+    test_split_kv_decode_for_any_number_of_segments covers the default count)."""
     q, k, v, cache, random_meta = random_step(seqs, num_heads, num_kv_heads, head_dim, block_size, seed)
     meta = meta or random_meta
     cache = cache.to(kv_dtype)  # a cache as stored: the earlier positions already narrowed
     expected_cache = cache.clone()
     scale = head_dim**-0.5
     expected = ReferenceBackend().forward(q, k, v, expected_cache, meta, scale)
-    got = TritonPagedAttention().forward(q, k, v, cache, meta, scale)
+    got = TritonPagedAttention(decode_segments).forward(q, k, v, cache, meta, scale)
     # Both read the same stored values as fp32; only the order of the sums differs.
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
     assert torch.equal(bits(cache), bits(expected_cache))
@@ -83,6 +85,20 @@ def assert_backend_matches(seqs, num_heads, num_kv_heads, head_dim, block_size, 
 def test_decodes_on_and_off_block_boundaries(num_heads, num_kv_heads, head_dim, block_size):
     lengths = (1, 2, 15, 16, 17, 31, 32, 33, 65)
     assert_backend_matches([(1, n) for n in lengths], num_heads, num_kv_heads, head_dim, block_size)
+
+
+@pytest.mark.parametrize("segments", [1, 2, 16])
+def test_split_kv_decode_for_any_number_of_segments(segments):
+    # 16 segments (the default) leave most of the short contexts' segments empty.
+    assert_backend_matches([(1, 1), (1, 17), (1, 100), (1, 16)], 9, 3, 64, 16, decode_segments=segments)
+
+
+def test_only_decode_steps_of_few_sequences_are_split():
+    assert triton_kernels.num_segments(4, 3, 1, 16) == 16
+    assert triton_kernels.num_segments(64, 2, 1, 16) == 1  # 128 programs already fill an H200
+    assert triton_kernels.num_segments(4, 3, 2, 16) == 1  # a prefill or verification step
+    with pytest.raises(ValueError, match="decode_segments"):
+        TritonPagedAttention(decode_segments=3)
 
 
 @HEADS

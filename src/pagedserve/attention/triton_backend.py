@@ -33,15 +33,22 @@ class TritonStepPlan:
 
 
 class TritonPagedAttention:
+    """`decode_segments`: how many parts a decode step of few sequences cuts each
+    context into (split-KV, so that such a step still fills the GPU); a power of two."""
+
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, decode_segments: int | None = None) -> None:
         reason = triton_unavailable_reason()
         if reason is not None:
             raise ValueError(f"the triton attention backend cannot run: {reason}")
         from . import triton_kernels  # imports triton: only once it is known to be there
 
+        segments = triton_kernels.DECODE_SEGMENTS if decode_segments is None else decode_segments
+        if segments < 1 or segments & (segments - 1):
+            raise ValueError(f"decode_segments must be a power of two >= 1, got {decode_segments}")
         self._kernels = triton_kernels
+        self._decode_segments = segments
         self._plan: TritonStepPlan | None = None
 
     def prepare(self, meta: AttentionMetadata) -> TritonStepPlan:
@@ -54,10 +61,13 @@ class TritonPagedAttention:
         check_step(q, kv_cache, meta)
         self._check_inputs(q, k, v, kv_cache, meta)
         plan = self.prepare(meta)
+        segments = self._kernels.num_segments(meta.num_seqs, kv_cache.shape[3], plan.max_query_len,
+                                              self._decode_segments)
         self._kernels.write_kv(kv_cache, k, v, meta.slot_mapping)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         self._kernels.paged_attention(
-            out, q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, plan.max_query_len
+            out, q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, plan.max_query_len,
+            segments,
         )
         return out
 

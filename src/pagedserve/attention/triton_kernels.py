@@ -109,20 +109,24 @@ def _sequence_of(program, query_start_loc_ptr, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def paged_attention_kernel(
-    out_ptr, q_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    q_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     scale_log2, num_seqs,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr, NUM_HEADS: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Program (p, h): up to BLOCK_Q consecutive query tokens of one sequence, times the
-    GROUP query heads that share KV head h, as one BLOCK_M-row tile. It walks the
-    sequence's block table one cache block at a time, loading each K/V tile once for
-    all its rows, with an online softmax; causal over the chunk, full over the context."""
+    """Program (p, h, s): up to BLOCK_Q consecutive query tokens of one sequence, times
+    the GROUP query heads that share KV head h, as one BLOCK_M-row tile. It walks its
+    share s of the sequence's block table one cache block at a time, loading each K/V
+    tile once for all its rows, with an online softmax; causal over the chunk, full over
+    the context. With one segment it writes the output; with more (split-KV decode) it
+    writes its unnormalised partial and its running max and sum for reduce_segments_kernel."""
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
     seq = _sequence_of(program, query_start_loc_ptr, num_seqs, BLOCK_Q)
     q_begin = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     query_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_begin
@@ -146,13 +150,16 @@ def paged_attention_kernel(
         # The last key any row of this tile may see, and the blocks that hold them.
         kv_end = context_len + tl.minimum(first + BLOCK_Q, query_len)
         num_blocks = (kv_end + BLOCK_SIZE - 1) // BLOCK_SIZE
+        per_segment = (num_blocks + NUM_SEGMENTS - 1) // NUM_SEGMENTS
+        j_begin = segment * per_segment
+        j_end = tl.minimum(j_begin + per_segment, num_blocks)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
         offs = tl.arange(0, BLOCK_SIZE)
         table = block_tables_ptr + seq * stride_bt_seq
-        for j in range(0, num_blocks):
+        for j in range(j_begin, j_end):
             block = tl.load(table + j).to(tl.int64)
             k_pos = j * BLOCK_SIZE + offs
             # Slots past the context are unwritten memory (maybe NaN bits): never load them,
@@ -174,9 +181,37 @@ def paged_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
 
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        o_rows = out_ptr + (q_begin + tok)[:, None] * stride_o_tok + head[:, None] * stride_o_head
-        tl.store(o_rows + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        if NUM_SEGMENTS == 1:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            o_rows = out_ptr + (q_begin + tok)[:, None] * stride_o_tok + head[:, None] * stride_o_head
+            tl.store(o_rows + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        else:
+            # Every segment writes, an empty one too (max -inf, sum 0): the reduce reads all.
+            part = ((q_begin + tok) * NUM_HEADS + head) * NUM_SEGMENTS + segment
+            tl.store(part_max_ptr + part, m_i, mask=row_ok)
+            tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_P + dims[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def reduce_segments_kernel(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, stride_o_tok, stride_o_head,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+):
+    """Program (t, h): merge the segments of token t, head h by log-sum-exp."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    segs = tl.arange(0, NUM_SEGMENTS)
+    dims = tl.arange(0, HEAD_DIM_P)
+    part = (tok * NUM_HEADS + head) * NUM_SEGMENTS + segs
+    seg_max = tl.load(part_max_ptr + part)
+    top = tl.max(seg_max, 0)
+    weight = tl.math.exp2(seg_max - tl.where(top == float("-inf"), 0.0, top))  # empty segments: 0
+    total = tl.sum(tl.load(part_sum_ptr + part) * weight, 0)
+    acc = tl.sum(tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_P + dims[None, :]) * weight[:, None], 0)
+    out = acc / tl.where(total == 0.0, 1.0, total)
+    o_ptr = out_ptr + tok * stride_o_tok + head * stride_o_head + dims
+    tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
 INTERPRETED = isinstance(paged_attention_kernel, InterpretedFunction)
@@ -209,11 +244,28 @@ def tile_rows(group: int, max_query_len: int) -> tuple[int, int]:
     return rows // group, rows
 
 
+# Split-KV decode: with fewer (sequence, KV head) programs than this, a GPU's SMs
+# (132 on an H100 or H200) would idle, so each program's context is cut into segments.
+SPLIT_BELOW_PROGRAMS = 128
+DECODE_SEGMENTS = 16
+
+
+def num_segments(num_seqs: int, num_kv_heads: int, max_query_len: int, decode_segments: int) -> int:
+    """Segments per (sequence, KV head) program. Decided from the step's shape alone,
+    never its context lengths (device values), so a captured decode graph stays right
+    for any context: the kernel splits each context into this many parts itself."""
+    if max_query_len <= 1 and num_seqs * num_kv_heads < SPLIT_BELOW_PROGRAMS:
+        return decode_segments
+    return 1
+
+
 def paged_attention(
     out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int, segments: int,
 ) -> None:
-    """out[t, h*D:(h+1)*D] = attention of q[t, h] over its sequence's cached context."""
+    """out[t, h*D:(h+1)*D] = attention of q[t, h] over its sequence's cached context,
+    each (query block, KV head) program's context cut into `segments` (a power of two;
+    1 for steps with prefill chunks: num_segments)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     num_seqs = seq_lens.shape[0]
@@ -221,17 +273,29 @@ def paged_attention(
         return
     group = num_heads // num_kv_heads
     block_q, block_m = tile_rows(group, max_query_len)
+    head_dim_p = triton.next_power_of_2(head_dim)
     out_heads = out.view(num_tokens, num_heads, head_dim)
+    if segments > 1:
+        part_acc = q.new_empty(num_tokens, num_heads, segments, head_dim_p, dtype=torch.float32)
+        part_max = q.new_empty(num_tokens, num_heads, segments, dtype=torch.float32)
+        part_sum = q.new_empty(num_tokens, num_heads, segments, dtype=torch.float32)
+    else:
+        part_acc = part_max = part_sum = out  # not read: the kernel writes `out` itself
     # The interpreter multiplies bf16/fp16 operands as their raw integer bits: there
     # the dots take fp32 (docs/gpu-kernels.md: what only a GPU verifies).
     dot_fp32 = q.dtype == torch.float32 or INTERPRETED
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, segments)
     paged_attention_kernel[grid](
-        out_heads, q, kv_cache, block_tables, query_start_loc, seq_lens,
+        out_heads, part_acc, part_max, part_sum, q, kv_cache, block_tables, query_start_loc, seq_lens,
         scale * 1.4426950408889634, num_seqs,  # log2(e): the kernel works in exp2
         q.stride(0), q.stride(1), out_heads.stride(0), out_heads.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
-        HEAD_DIM=head_dim, HEAD_DIM_P=triton.next_power_of_2(head_dim), BLOCK_SIZE=kv_cache.shape[2],
-        DOT_FP32=dot_fp32, PRECISION="ieee" if dot_fp32 else "tf32",
+        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=kv_cache.shape[2],
+        NUM_SEGMENTS=segments, NUM_HEADS=num_heads, DOT_FP32=dot_fp32, PRECISION="ieee" if dot_fp32 else "tf32",
     )
+    if segments > 1:
+        reduce_segments_kernel[(num_tokens, num_heads)](
+            out_heads, part_acc, part_max, part_sum, out_heads.stride(0), out_heads.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SEGMENTS=segments,
+        )
