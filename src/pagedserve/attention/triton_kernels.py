@@ -51,7 +51,10 @@ def _encode(x, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, MAX_FINITE: tl.co
     # Subnormal in the target: the significand counted in units of the smallest
     # subnormal; rounding up to 1 << MAN_BITS is exactly the smallest normal's bits.
     significand = (a & 0x7FFFFF) | tl.where(e32 > 0, 0x800000, 0)
-    sh = tl.minimum(151 - BIAS - MAN_BITS - tl.maximum(e32, 1), 25)
+    # Clamped to [1, 25] so that no lane shifts by a negative or oversized amount (lanes
+    # that take the normal branch would, and a GPU shift is undefined there); from 25 on
+    # the result is 0 anyway.
+    sh = tl.maximum(tl.minimum(151 - BIAS - MAN_BITS - tl.maximum(e32, 1), 25), 1)
     sub = (significand + (1 << (sh - 1)) - 1 + ((significand >> sh) & 1)) >> sh
     bits = tl.where(e32 < 128 - BIAS, sub, normal) | (sign << (EXP_BITS + MAN_BITS))
     nan_bits = ((1 << (EXP_BITS + MAN_BITS)) - 1)  # all exponent and mantissa bits: a NaN in every target
