@@ -15,7 +15,7 @@ from pagedserve.attention.backend import ReferenceBackend, to_cache_dtype, write
 from pagedserve.attention.cpu_backend import CpuPagedAttention
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.selector import get_backend
-from pagedserve.attention.testing import random_step
+from pagedserve.attention.testing import device_check, random_step
 from pagedserve.attention.triton_backend import TritonPagedAttention, triton_unavailable_reason
 
 
@@ -236,6 +236,15 @@ def test_selector_and_the_reason_when_triton_is_missing(monkeypatch):
     assert "triton is not installed" in triton_unavailable_reason()
     with pytest.raises(ValueError, match="triton attention backend cannot run"):
         TritonPagedAttention()
+
+
+def test_the_device_check_passes_on_the_cpu():
+    # What benchmarks/gpu_check.sh runs on a GPU (attention.testing.device_check), here on
+    # small steps so that the interpreter gets through it.
+    steps = [("decode", [(1, 5), (1, 40)], 8, 2, 64, 16), ("mixed", [(1, 12), (9, 30)], 9, 3, 64, 16)]
+    results = device_check(TritonPagedAttention(2), "cpu", steps, kv_dtypes=(torch.float32, torch.float8_e5m2))
+    assert len(results) == 2 * 2 * 2
+    assert all(r["within_tolerance"] and r["cache_bytes_equal"] for r in results), results
 
 
 @pytest.mark.slow
