@@ -185,6 +185,6 @@ def test_heads_not_a_multiple_of_kv_heads_is_rejected():
 def test_selector_defaults_to_the_cpu_backend_and_names_the_choices():
     assert isinstance(get_backend(None), CpuPagedAttention)
     assert isinstance(get_backend("reference"), ReferenceBackend)
-    assert backend_names() == ["cpu", "native", "reference"]
-    with pytest.raises(ValueError, match=r"\['cpu', 'native', 'reference'\]"):
+    assert backend_names() == ["cpu", "native", "reference", "triton"]
+    with pytest.raises(ValueError, match=r"\['cpu', 'native', 'reference', 'triton'\]"):
         get_backend("flash")

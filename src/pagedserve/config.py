@@ -59,7 +59,7 @@ class EngineConfig:
     scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs or priority"})
     policy: str = field(default="chunked", metadata={"help": "scheduler study mode: " + ", ".join(POLICIES)})
     attention_backend: str | None = field(default=None, metadata={
-        "help": "native (the default with native kernels), cpu (the default with torch kernels) or reference"})
+        "help": "native (the default with native kernels), cpu (the default with torch kernels), triton (CUDA) or reference"})
     kernels: str = field(default="auto", metadata={
         "help": "native: pagedserve's AVX2 op library; torch: pure torch; auto: native where the CPU and build allow"})
     itl_target_ms: float | None = field(default=None, metadata={

@@ -4,11 +4,13 @@ from __future__ import annotations
 from .backend import AttentionBackend, ReferenceBackend
 from .cpu_backend import CpuPagedAttention
 from .native_backend import NativePagedAttention
+from .triton_backend import TritonPagedAttention
 
 _BACKENDS: dict[str, type] = {
     CpuPagedAttention.name: CpuPagedAttention,
     NativePagedAttention.name: NativePagedAttention,
     ReferenceBackend.name: ReferenceBackend,
+    TritonPagedAttention.name: TritonPagedAttention,
 }
 DEFAULT_BACKEND = CpuPagedAttention.name
 
