@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -45,6 +46,9 @@ class TensorParallelExecutor:
         if config.node_rank != 0:
             raise ValueError("the engine runs on node 0 (node_rank 0); start the ranks of other nodes with "
                              "`pagedserve worker --node-rank R ...`")
+        if torch.distributed.is_initialized():
+            raise ValueError("this process already holds a torch.distributed group (another tensor-parallel "
+                             "engine?): one per process; shut the other engine down first")
         self.config = config
         init_method = config.distributed_init_method or free_local_init_method()
         self.procs = spawn_ranks(config, range(1, config.ranks_per_node), init_method)
@@ -101,7 +105,16 @@ class TensorParallelExecutor:
         try:
             step_message.send_step(self.group, step)
         except RuntimeError as e:  # gloo: a peer closed its connection, or the timeout passed
-            raise RankFailedError(f"a tensor-parallel rank stopped answering: {e}") from e
+            raise self._failed(e) from e
+
+    def _failed(self, error: RuntimeError) -> RankFailedError:
+        """The failure to report for a failed collective: the local rank that died, if one did
+        (its exit is seen a moment after its sockets close), else the collective's error."""
+        deadline = time.monotonic() + _JOIN_TIMEOUT_S / 10
+        while (dead := self._dead_rank()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._failure = dead or RankFailedError(f"a tensor-parallel rank stopped answering: {error}")
+        return self._failure
 
     def _dead_rank(self) -> RankFailedError | None:
         for rank, p in enumerate(self.procs, start=1):
