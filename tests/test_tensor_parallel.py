@@ -392,6 +392,10 @@ def test_two_ranks_in_two_network_namespaces(veth_pair, tiny_folder, tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    # The ranks' traffic (weights stay home; activations, logits and step messages) crossed the veth.
+    link = json.loads(subprocess.run(["ip", "-n", NS[1], "-s", "-j", "link", "show", "dev", "psv-veth-b"],
+                                     check=True, capture_output=True).stdout)[0]
+    assert link["stats64"]["rx"]["bytes"] > 100_000 and link["stats64"]["tx"]["bytes"] > 100_000, link["stats64"]
     tp1 = make_llm(load_model(tiny_folder), kv_cache_memory=8 << 20, num_threads=1)
     want = [o.outputs[0].token_ids for o in tp1.generate(
         TINY_PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)]
