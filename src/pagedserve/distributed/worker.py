@@ -101,10 +101,13 @@ def run_node(config: EngineConfig) -> int:
     if config.nnodes < 2 or config.node_rank < 1:
         raise ValueError("pagedserve worker runs the ranks of nodes 1 .. nnodes-1: give --nnodes >= 2 and "
                          "--node-rank >= 1 (node 0 runs `pagedserve serve` or `generate`)")
-    procs = spawn_ranks(config, node_ranks(config), config.distributed_init_method)
+    ranks = node_ranks(config)
+    if len(ranks) == 1:  # run it here (worker_main ends the process): a child of its own would only be waited for
+        worker_main(WorkerArgs(config, ranks[0], config.distributed_init_method))
+    procs = spawn_ranks(config, ranks, config.distributed_init_method)
     codes = []
     for p in procs:
         p.join()
         codes.append(p.exitcode)
-    logger.info("ranks %s exited with %s (pid %d)", list(node_ranks(config)), codes, os.getpid())
+    logger.info("ranks %s exited with %s (pid %d)", list(ranks), codes, os.getpid())
     return 0 if all(c == 0 for c in codes) else 1
