@@ -27,6 +27,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig
 from pagedserve.distributed import step_message
 from pagedserve.distributed.executor import RankFailedError
+from pagedserve.distributed.loading import load_shard
 from pagedserve.distributed.sharding import TPShard
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.loader import load_model
@@ -183,6 +184,16 @@ def _assert_close_to_tp1(tp: LLM, tp1: LLM, prompts: list[list[int]]) -> float:
     print(f"largest log-probability difference from TP=1: {worst:.2e}")
     assert_all_blocks_free(tp)
     return worst
+
+
+@pytest.mark.slow  # parses the whole GGUF again: ~12 s on a quiet machine
+def test_a_gguf_read_without_the_cache_gives_the_cached_shard(loaded):
+    # `loaded` made sure the converted cache exists; the fresh read cuts each tensor as it is dequantised.
+    fresh, _ = load_shard(None, 1, 3, pack=False, use_cache=False)
+    cached, _ = load_shard(None, 1, 3, pack=False)
+    a, b = fresh.model.state_dict(), cached.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a["layers.0.qkv.weight"].shape == ((3 + 2) * 64, 576)  # 3 query heads and 1 KV head of 64
 
 
 # Engines live for one class: a process holds one torch.distributed group, so each class's
