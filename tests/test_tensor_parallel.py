@@ -39,7 +39,7 @@ transformers = pytest.importorskip("transformers")
 # SmolLM2's log-probabilities by ~1e-5 (measured max 3e-5); the bound leaves room.
 LOGPROB_TOLERANCE = 1e-3
 SRC = str(Path(__file__).resolve().parent.parent / "src")
-KILL_BOUND_S = 30.0  # a killed rank is reported within this (measured: ~1 s)
+KILL_BOUND_S = 60.0  # measured under a load average of ~25: generate 0.5 s, the idle server 13 s
 TP_OPTIONS = dict(num_threads=1, max_num_batched_tokens=64, max_num_seqs=32)
 
 
