@@ -45,3 +45,25 @@ def busy_batch(tokenizer) -> tuple[list, list[SamplingParams]]:
             prompts.append(tokenizer.encode(f"List {i} facts about the number {i * 7}:"))
         params.append(GREEDY if i % 2 == 0 else seeded(1000 + i))
     return prompts, params
+
+
+BUSY_PROBES = (0, 1, 5, 8, 13)  # greedy and seeded, short and long, shared-prefix and not
+
+
+def check_busy_batch(llm: LLM, expect_preemption: bool = False) -> dict[int, list[int]]:
+    """Each probe of busy_batch gives the same tokens alone, inside the batch and again
+    with prefix-cache hits; nothing leaks. Returns the probes' tokens."""
+    prompts, params = busy_batch(llm.tokenizer)
+    alone = {i: llm.generate([prompts[i]], params[i], use_tqdm=False)[0].outputs[0].token_ids for i in BUSY_PROBES}
+    batch = llm.generate(prompts, params, use_tqdm=False)
+    for i in BUSY_PROBES:
+        assert batch[i].outputs[0].token_ids == alone[i], f"request {i} differs inside the batch"
+    again = llm.generate(prompts, params, use_tqdm=False)
+    for i in BUSY_PROBES:
+        assert again[i].outputs[0].token_ids == alone[i], f"request {i} differs with prefix-cache hits"
+    stats = llm.stats()
+    assert stats["prefix_cache_hits"] > 0
+    if expect_preemption:
+        assert stats["num_preemptions"] > 0, "the small pool was meant to force preemption"
+    assert_all_blocks_free(llm)
+    return alone

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import REFERENCE_NEW_TOKENS
-from engine_utils import GREEDY, KV_BYTES_PER_BLOCK, assert_all_blocks_free, busy_batch, make_llm, seeded
+from engine_utils import GREEDY, KV_BYTES_PER_BLOCK, assert_all_blocks_free, check_busy_batch, make_llm, seeded
 from pagedserve import SamplingParams
 from pagedserve.core.request import RequestStatus
 from pagedserve.model.loader import load_model
@@ -39,22 +39,7 @@ def test_greedy_matches_reference_in_one_batch(loaded, reference_prompts, refere
     ids=["chunked", "small-chunks", "continuous", "static", "preemption"],
 )
 def test_same_tokens_alone_and_in_a_busy_batch(loaded, options):
-    llm = make_llm(loaded, **options)
-    prompts, params = busy_batch(llm.tokenizer)
-    probes = [0, 1, 5, 8, 13]  # greedy and seeded, short and long, shared-prefix and not
-    alone = {i: llm.generate([prompts[i]], params[i], use_tqdm=False)[0].outputs[0].token_ids for i in probes}
-    batch = llm.generate(prompts, params, use_tqdm=False)
-    for i in probes:
-        assert batch[i].outputs[0].token_ids == alone[i], f"request {i} differs inside the batch"
-    # Run it again: now the shared prefixes are in the prefix cache.
-    again = llm.generate(prompts, params, use_tqdm=False)
-    for i in probes:
-        assert again[i].outputs[0].token_ids == alone[i], f"request {i} differs with prefix-cache hits"
-    stats = llm.stats()
-    assert stats["prefix_cache_hits"] > 0
-    if "kv_cache_memory" in options:
-        assert stats["num_preemptions"] > 0, "the small pool was meant to force preemption"
-    assert_all_blocks_free(llm)
+    check_busy_batch(make_llm(loaded, **options), expect_preemption="kv_cache_memory" in options)
 
 
 def test_parallel_sampling_shares_prompt_blocks(loaded):

@@ -5,7 +5,8 @@ standard library; and no two modules import each other, however indirectly.
 The order (docs/architecture.md draws it):
 
     core -> attention, kernels, model, workload -> spec_decode, structured_output and the
-    top-level option/result modules -> worker -> engine -> entrypoints (the server)
+    top-level option/result modules -> worker -> distributed (tensor parallelism) -> engine
+    -> entrypoints (the server)
     -> sim, bench -> entrypoints.cli and the package root (they launch everything)
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ LAYERS: list[set[str]] = [
     {"attention", "kernels", "model", "workload", "paths"},
     {"spec_decode", "structured_output", "config", "sampling_params", "sampling_state", "outputs"},
     {"worker"},
+    {"distributed"},
     {"engine"},
     {"entrypoints"},
     {"sim", "bench"},

@@ -73,11 +73,20 @@ class EngineConfig:
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "KV cache elements: auto (fp32), fp32, fp16 (half the bytes), fp8_e4m3 or fp8_e5m2 (a quarter); "
                 "narrower ones are converted to fp32 as attention reads them"})
-    num_threads: int | None = field(default=None, metadata={"help": "torch threads; default: all cores"})
+    num_threads: int | None = field(default=None, metadata={
+        "help": "torch threads (per tensor-parallel rank); default: all cores, shared among a node's ranks"})
     seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
     speculative_config: SpeculativeConfig | dict | str | None = field(default=None, metadata={
         "help": 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                 'or \'{"method": "draft_model", "model": "self:8"}\''})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "ranks the model's layers are split across, each in its own process (docs/tensor-parallel.md)"})
+    distributed_init_method: str | None = field(default=None, metadata={
+        "help": "where the ranks meet: tcp://host:port or env:// (MASTER_ADDR/MASTER_PORT); "
+                "default: a free port on 127.0.0.1 (one node)"})
+    nnodes: int = field(default=1, metadata={"help": "hosts the tensor-parallel ranks are spread over"})
+    node_rank: int = field(default=0, metadata={
+        "help": "this host's index among --nnodes (0 runs the engine; others run `pagedserve worker`)"})
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
@@ -92,6 +101,7 @@ class EngineConfig:
             raise ValueError(f"quantization={self.quantization!r} runs on the native kernels; kernels='torch' has none")
         # Scheduler and cache fields are validated by core's SchedulerConfig / CacheConfig
         # when the engine builds them; only the engine's own fields are checked here.
+        self._check_parallel()
         for name in ("kv_cache_memory", "num_threads"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value <= 0):
@@ -101,6 +111,36 @@ class EngineConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value) or value <= 0):
                 raise ValueError(f"{name} must be a number of milliseconds > 0, got {value!r}")
+
+    def _check_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "nnodes"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not is_int(self.node_rank) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of "
+                             f"nnodes ({self.nnodes}): every node runs as many ranks")
+        if self.nnodes > 1 and not self.distributed_init_method:
+            raise ValueError("nnodes > 1 needs distributed_init_method (tcp://HOST:PORT of node 0, or env://)")
+        method = self.distributed_init_method
+        if method is not None and not (method.startswith("tcp://") or method == "env://"):
+            raise ValueError(f"distributed_init_method must be tcp://host:port or env://, got {method!r}")
+        if self.tensor_parallel_size > 1:
+            if self.speculative_config is not None:
+                raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")
+            if self.quantization != "none":
+                raise ValueError(f"quantization={self.quantization!r} is not supported with tensor_parallel_size > 1 "
+                                 "(the shards are fp32; use quantization='none')")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    def rank_num_threads(self) -> int:
+        """Torch threads for one rank: the flag, else this host's cores shared by its ranks."""
+        return self.num_threads or max(1, default_num_threads() // self.ranks_per_node)
 
     def effective_max_num_batched_tokens(self, max_model_len: int) -> int:
         """The flag if given; else 256 when prompts are chunked, and when they are not
@@ -144,7 +184,7 @@ class EngineConfig:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             elif f.name == "kv_cache_memory":
                 parser.add_argument(flag, type=parse_memory, default=None, help=help_text)
-            elif f.name in ("model", "attention_backend", "speculative_config"):
+            elif f.name in ("model", "attention_backend", "speculative_config", "distributed_init_method"):
                 parser.add_argument(flag, type=str, default=f.default, help=help_text)
             elif f.name in ("itl_target_ms", "ttft_target_ms"):
                 parser.add_argument(flag, type=float, default=None, help=help_text)

@@ -132,6 +132,12 @@ class _Abort:
     request_id: str
 
 
+def _raiser(error: BaseException) -> Callable[[LLMEngine], None]:
+    def fail(_: LLMEngine) -> None:
+        raise error
+    return fail
+
+
 @dataclass(frozen=True, slots=True)
 class _Call:
     """Run `fn(engine)` on the engine thread, between steps."""
@@ -241,6 +247,10 @@ class AsyncEngine:
         # Called on the event loop once the thread has crashed and its requests have failed;
         # the server uses it to exit non-zero rather than stay up unable to serve.
         self.on_crash: Callable[[BaseException], None] | None = None
+        if engine.tp is not None:
+            # A tensor-parallel rank that dies while the engine idles ends the thread the
+            # way a failed step does (the watcher calls this from its own thread).
+            engine.tp.on_failure = lambda error: self._commands.put(_Call(_raiser(error)))
 
     def add_step_listener(self, listener: Callable[[StepStats], None]) -> None:
         """Call `listener` on the event loop after each delivery, like `on_step`."""

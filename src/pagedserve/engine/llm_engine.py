@@ -15,12 +15,13 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from ..attention.selector import default_backend_name
-from ..config import EngineConfig, default_kv_cache_memory, default_num_threads
+from ..config import EngineConfig, default_kv_cache_memory
 from ..core.kv_plan import KV_CACHE_DTYPE_BYTES, KVCachePlan, plan_kv_cache
 from ..core.outputs import SchedulerOutput, SchedulerStats
 from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler
 from ..core.step_budget import StepBudget
+from ..distributed.executor import TensorParallelExecutor
 from ..kernels import resolve_kernels
 from ..model.config import ModelConfig
 from ..model.loader import LoadedModel, load_model
@@ -96,10 +97,22 @@ def _plan_kv_cache(config: EngineConfig, target: ModelConfig, draft: LoadedModel
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = config = config or EngineConfig()
-        torch.set_num_threads(config.num_threads or default_num_threads())
+        torch.set_num_threads(config.rank_num_threads())
         torch.manual_seed(config.seed)
         start = time.perf_counter()
-        self.loaded = loaded or load_model(config.model, quantization=config.quantization)
+        if loaded is not None and config.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size > 1 loads each rank's shard itself; pass no loaded model")
+        # Rank 0 of tensor parallelism is this process; the executor starts the other ranks.
+        self.tp = TensorParallelExecutor(config) if config.tensor_parallel_size > 1 else None
+        try:
+            self._build(config, loaded or (self.tp.loaded if self.tp is not None else
+                                           load_model(config.model, quantization=config.quantization)), start)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, loaded: LoadedModel, start: float) -> None:
+        self.loaded = loaded
         self.tokenizer = self.loaded.tokenizer
         self.kernels = resolve_kernels(config.kernels)
         self.loaded.model.set_kernels(self.kernels)
@@ -107,7 +120,9 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         spec = config.speculative_config
         draft = load_draft(self.loaded, spec, self.kernels)
-        plan = _plan_kv_cache(config, mc, draft)
+        plan = _plan_kv_cache(config, self.loaded.model.config, draft)  # a rank's share under TP
+        if self.tp is not None:
+            self.tp.start(plan.num_blocks, config.block_size, config.kv_cache_dtype)
         sched_config = config.scheduler_config(self.max_model_len)
         self.scheduler = Scheduler(sched_config, config.cache_config(plan.num_blocks),
                                    self._step_budget(sched_config.max_num_batched_tokens))
@@ -116,7 +131,7 @@ class LLMEngine:
             eos_token_ids=tuple(self.tokenizer.stop_token_ids),
             attention_backend=config.attention_backend or default_backend_name(self.kernels),
             speculative=spec, draft=draft.model if draft is not None else None,
-            kv_cache_dtype=config.kv_cache_dtype,
+            kv_cache_dtype=config.kv_cache_dtype, peers=self.tp,
         )
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec is not None else None
         self.structured_outputs = StructuredOutputManager(self.tokenizer, mc.vocab_size)
@@ -135,6 +150,11 @@ class LLMEngine:
             plan.num_blocks, config.block_size, plan.num_blocks * config.block_size, self.max_model_len,
             self.scheduler.config.max_num_batched_tokens, self.kernels, self.runner.kv_caches[0].dtype,
         )
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks (a no-op without them); the engine cannot step after."""
+        if self.tp is not None:
+            self.tp.shutdown()
 
     def _step_budget(self, cap: int) -> StepBudget | None:
         """The latency target's per-step budget (None: the fixed max_num_batched_tokens)."""

@@ -100,6 +100,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(server_config_from_args(args))
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    from ..distributed.worker import run_node
+
+    return run_node(EngineConfig.from_cli_args(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="An LLM serving engine.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    worker = sub.add_parser("worker", help="run this node's tensor-parallel ranks for an engine on node 0 "
+                                           "(--nnodes, --node-rank, --distributed-init-method)")
+    EngineConfig.add_cli_args(worker)
+    worker.set_defaults(func=cmd_worker)
 
     from ..sim.cli import add_doctor_parser, add_kv_parser, add_sim_parser  # pure Python, no torch
 

@@ -86,16 +86,27 @@ class ConvertedGGUF:
     from_cache: bool
 
 
-def convert_gguf(path: Path, use_cache: bool = True) -> ConvertedGGUF:
-    cache_dir = cache_root() / f"v{_CACHE_FORMAT}-{file_digest(path)}"
-    weights_file, tok_dir, meta_file = cache_dir / "weights.pt", cache_dir / "tokenizer", cache_dir / "model.json"
-    if use_cache and meta_file.is_file():  # entries appear whole (see _publish_cache)
-        saved = json.loads(meta_file.read_text())
-        config = ModelConfig(**saved["config"])
-        state = torch.load(weights_file, mmap=True, weights_only=True)
-        tokenizer = Tokenizer.from_pretrained(tok_dir)
-        return ConvertedGGUF(config, state, tokenizer, saved["metadata"], cache_dir, from_cache=True)
+def gguf_cache_dir(path: Path) -> Path:
+    return cache_root() / f"v{_CACHE_FORMAT}-{file_digest(path)}"
 
+
+def cached_gguf(cache_dir: Path) -> ConvertedGGUF | None:
+    """A converted cache entry (weights memory-mapped), or None if there is none."""
+    meta_file = cache_dir / "model.json"
+    if not meta_file.is_file():  # entries appear whole (see _publish_cache)
+        return None
+    saved = json.loads(meta_file.read_text())
+    config = ModelConfig(**saved["config"])
+    state = torch.load(cache_dir / "weights.pt", mmap=True, weights_only=True)
+    tokenizer = Tokenizer.from_pretrained(cache_dir / "tokenizer")
+    return ConvertedGGUF(config, state, tokenizer, saved["metadata"], cache_dir, from_cache=True)
+
+
+def convert_gguf(path: Path, use_cache: bool = True) -> ConvertedGGUF:
+    cache_dir = gguf_cache_dir(path)
+    cached = cached_gguf(cache_dir) if use_cache else None
+    if cached is not None:
+        return cached
     gguf = GGUFFile(path)
     config = ModelConfig.from_gguf_metadata(gguf.metadata)
     hf = hf_tensors_from_gguf(gguf, config)

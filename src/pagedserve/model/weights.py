@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
@@ -63,11 +63,13 @@ def undo_llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def hf_tensors_from_gguf(
-    gguf: GGUFFile, config: ModelConfig, keep_blocks: Collection[int] = ()
+    gguf: GGUFFile, config: ModelConfig, keep_blocks: Collection[int] = (),
+    select: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """fp32 tensors under HF names; matrices whose GGML type is in `keep_blocks` stay in
     their blocks, uint8 [rows, row bytes] (model/quant.py): rows are whole blocks, so the
-    q/k row permutation below applies to them as to floats."""
+    q/k row permutation below applies to them as to floats. `select(name, tensor)` keeps
+    part of each tensor as soon as it is read (a tensor-parallel rank's shard)."""
     out: dict[str, torch.Tensor] = {}
     # Only llama-arch files are permuted by the converter (Qwen2/3 use HF's rotation already).
     permuted = config.architecture in ("llama", "mistral")
@@ -83,7 +85,7 @@ def hf_tensors_from_gguf(
             w = undo_llama_cpp_permute(w, config.num_heads)
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = undo_llama_cpp_permute(w, config.num_kv_heads)
-        out[name] = torch.from_numpy(w)
+        out[name] = torch.from_numpy(w) if select is None else select(name, torch.from_numpy(w))
     return out
 
 

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -51,6 +52,13 @@ class StepInputs:
     prompt_logprobs: PromptLogprobsPlan | None = None
 
 
+class StepPeers(Protocol):
+    """The other tensor-parallel ranks (distributed.executor): told each step's inputs and
+    block copies before this rank runs its own part of the forward."""
+
+    def run_step(self, inputs: StepInputs | None, copies: tuple[torch.Tensor, torch.Tensor] | None) -> None: ...
+
+
 class ModelRunner:
     """Owns the model's device state: KV caches, block tables, the attention backend and,
     with a SpeculativeConfig, the proposer (n-gram, or a draft model and its scratch)."""
@@ -66,8 +74,10 @@ class ModelRunner:
         speculative: SpeculativeConfig | None = None,
         draft: LlamaModel | None = None,
         kv_cache_dtype: str = "auto",
+        peers: StepPeers | None = None,
     ):
         self.model = model
+        self.peers = peers
         self.block_size = bs = kv_plan.block_size
         self_layers = speculative.self_draft_layers if speculative is not None else None
         # Scratch blocks (ids num_blocks and up) belong to the runner, not the pool: a
@@ -167,13 +177,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._update_block_tables(out)
+        copies = None
         if out.block_copies:
             # Copy-on-write: each request gets its private copy of a shared, partly filled block.
-            copy_blocks(self.kv_caches, torch.tensor([c[0] for c in out.block_copies]),
-                        torch.tensor([c[1] for c in out.block_copies]))
-        if not out.scheduled:
+            copies = (torch.tensor([c[0] for c in out.block_copies]), torch.tensor([c[1] for c in out.block_copies]))
+            copy_blocks(self.kv_caches, *copies)
+        inputs = self.prepare_inputs(out) if out.scheduled else None
+        if self.peers is not None and (inputs is not None or copies is not None):
+            self.peers.run_step(inputs, copies)
+        if inputs is None:
             return RunnerOutput({}, None, [])
-        inputs = self.prepare_inputs(out)
         self.backend.prepare(inputs.meta)
         logits = self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend, inputs.logits_indices
