@@ -173,6 +173,16 @@ class VersionResponse(BaseModel):
     version: str
 
 
+class TokenizerInfoResponse(BaseModel):
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    chat_template: str | None
+    model_max_length: int
+    vocab_size: int
+
+
 # Answered by the middleware or the admission check, on any route they cover.
 _ERRORS = {
     401: "API key missing or wrong (only when the server has --api-key).",
