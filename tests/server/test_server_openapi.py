@@ -22,8 +22,8 @@ from .server_process import start_server
 # Per operation and generation mode (positive + negative: twice this per operation).
 EXAMPLES = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", "100"))
 ROUTES = {("post", "/v1/completions"), ("post", "/v1/chat/completions"), ("get", "/v1/models"),
-          ("post", "/tokenize"), ("post", "/detokenize"), ("get", "/health"), ("get", "/metrics"),
-          ("get", "/version")}
+          ("post", "/tokenize"), ("post", "/detokenize"), ("get", "/tokenizer_info"), ("get", "/health"),
+          ("get", "/metrics"), ("get", "/version")}
 
 
 @pytest.fixture(scope="module")

@@ -38,3 +38,36 @@ def test_echo_with_one_token_and_streaming_agree(client, model):
                 tokens += c.logprobs.tokens
                 values += c.logprobs.token_logprobs
     assert text == whole.text and tokens == whole.logprobs.tokens and values == whole.logprobs.token_logprobs
+
+
+CHAT = [{"role": "user", "content": "The capital of France is Paris. What is the capital of Italy?"}]
+
+
+def test_chat_prompt_logprobs_score_the_rendered_prompt(http, model):
+    """vLLM's chat extension: per prompt token, {token id: logprob, rank, decoded_token},
+    the same values /v1/completions gives for the rendered prompt's tokens."""
+    r = http.post("/v1/chat/completions", json={"model": model, "messages": CHAT, "max_tokens": 1, "temperature": 0,
+                                                "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids = http.post("/tokenize", json={"messages": CHAT}).json()["tokens"]
+    entries = body["prompt_logprobs"]
+    assert len(entries) == body["usage"]["prompt_tokens"] == len(ids) and entries[0] is None
+    echoed = http.post("/v1/completions", json={"model": model, "prompt": ids, "echo": True, "logprobs": 2,
+                                                "max_tokens": 0}).json()["choices"][0]["logprobs"]
+    for i in range(1, len(ids)):
+        chosen = entries[i][str(ids[i])]
+        assert 2 <= len(entries[i]) <= 3 and {lp["rank"] for lp in entries[i].values()} >= {1, 2}
+        assert chosen["decoded_token"] == echoed["tokens"][i]
+        assert abs(chosen["logprob"] - echoed["token_logprobs"][i]) < 1e-4
+    plain = http.post("/v1/chat/completions", json={"model": model, "messages": CHAT, "max_tokens": 1}).json()
+    assert "prompt_logprobs" not in plain
+
+
+def test_chat_prompt_logprobs_bad_requests_are_400(http, model):
+    for fields, message in [({"stream": True}, "not supported with stream"), ({"prompt_logprobs": 21}, "less than or equal to 20"),
+                            ({"prompt_logprobs": -1}, "greater than or equal to 0")]:
+        r = http.post("/v1/chat/completions", json={"model": model, "messages": CHAT, "max_tokens": 1,
+                                                    "prompt_logprobs": 1, **fields})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "prompt_logprobs" and message in error["message"], error

@@ -108,3 +108,18 @@ def test_bad_tools_are_400_in_openai_shape(client, model, fields, message):
     error = info.value.body
     assert info.value.status_code == 400 and error["type"] == "invalid_request_error"
     assert message in error["message"] and error["param"] in ("tools", "tool_choice", "messages")
+
+
+def test_parallel_tool_calls_are_each_valid(client, model):
+    """With parallel_tool_calls (the default) the grammar admits one call or more; every
+    one parses, validates and has its own id."""
+    r = client.chat.completions.create(
+        model=model, tools=TOOLS, tool_choice="required", temperature=1.0, seed=3, n=3, max_tokens=200,
+        messages=[{"role": "user", "content": "What is the weather in Paris and in Rome, and what is 2 + 3?"}])
+    for choice in r.choices:
+        calls = choice.message.tool_calls
+        assert calls and choice.message.content is None
+        for call in calls:
+            _check_call(call)
+        assert len({c.id for c in calls}) == len(calls)
+        assert choice.finish_reason == "tool_calls"

@@ -22,7 +22,7 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletion
                                                DetokenizeRequest)
 _REF = "#/components/schemas/{model}"
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class ErrorDetail(BaseModel):
@@ -83,9 +83,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -96,6 +108,12 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"]
@@ -103,6 +121,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    # With the request's prompt_logprobs (vLLM's shape): per prompt token, token id -> logprob.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionChunkChoice(BaseModel):
@@ -124,9 +144,24 @@ class CompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCallPiece(BaseModel):
+    name: str | None = None
+    arguments: str
+
+
+class ToolCallPiece(BaseModel):
+    """A streamed piece of call `index`: the first carries id, type and name; the arguments come in pieces."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallPiece
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallPiece] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -172,6 +207,16 @@ class DetokenizeResponse(BaseModel):
 
 class VersionResponse(BaseModel):
     version: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    chat_template: str | None
+    model_max_length: int
+    vocab_size: int
 
 
 # Answered by the middleware or the admission check, on any route they cover.

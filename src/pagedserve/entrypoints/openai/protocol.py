@@ -214,6 +214,9 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: Annotated[int, Field(ge=1, description="Takes precedence over max_tokens.")] | None = None
     logprobs: bool = False
     top_logprobs: _Logprobs | None = Field(None, description="Needs logprobs; at most --max-logprobs.")
+    prompt_logprobs: _Logprobs | None = Field(
+        None, description="vLLM's extension: the response's `prompt_logprobs` holds, per prompt token, its "
+                          "logprob and the top k (null for the first); at most --max-logprobs; not with stream.")
     # Refused with a message saying why: templates are server-side code.
     chat_template: Annotated[Any, WithJsonSchema({"type": "null", "description": "Not accepted from requests."})] = None
     # Checked by tools.py, whose messages name the tool at fault.
@@ -491,5 +494,14 @@ def chat_sampling_params(req: ChatCompletionRequest, limits: RequestLimits) -> S
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return sampling_params(req, limits, max_tokens=max_tokens, logprobs=logprobs, logprobs_param="top_logprobs")
+    params = sampling_params(req, limits, max_tokens=max_tokens, logprobs=logprobs, logprobs_param="top_logprobs")
+    if req.prompt_logprobs is not None:
+        if req.stream:
+            # As in vLLM: a streamed reply has no top-level field to carry them.
+            raise APIError(400, "prompt_logprobs is not supported with stream", param="prompt_logprobs")
+        if req.prompt_logprobs > limits.max_logprobs:
+            raise APIError(400, f"prompt_logprobs must be at most {limits.max_logprobs} on this server, got "
+                                f"{req.prompt_logprobs}", param="prompt_logprobs")
+        params = dataclasses.replace(params, prompt_logprobs=req.prompt_logprobs)
+    return params
 

@@ -35,14 +35,15 @@ from .dashboard import install_dashboard
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .middleware import APIKeyMiddleware, BodyLimitMiddleware
 from .openapi import ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse, \
-    DetokenizeResponse, ModelList, TokenizeResponse, VersionResponse, body_responses, build_openapi, \
-    generation_responses, get_responses, request_body
+    DetokenizeResponse, ModelList, TokenizeResponse, TokenizerInfoResponse, VersionResponse, body_responses, \
+    build_openapi, generation_responses, get_responses, request_body
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestLimits, \
     TokenizeRequest, check_token_ids, max_prompt_chars, parse_body, validation_error
 from .serving import Admission, OpenAIServing, engine_error
 from .serving_chat import ChatServing
 from .serving_completions import CompletionServing
 from .serving_responses import ResponsesServing
+from .tokenizer_info import tokenizer_info
 from .tool_parsers import TOOL_PARSERS
 from .tools import template_messages
 
@@ -129,6 +130,12 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         common.resolve_model(req.model)
         check_token_ids(req.tokens, async_engine.vocab_size, "tokens")
         return JSONResponse({"prompt": await common.off_loop(common.tokenizer.decode, req.tokens)})
+
+    info = tokenizer_info(engine.tokenizer, async_engine.max_context_len)
+
+    @app.get("/tokenizer_info", responses=get_responses(TokenizerInfoResponse))
+    async def get_tokenizer_info() -> JSONResponse:
+        return JSONResponse(info)
 
     @app.get("/health", response_class=Response, responses={
         200: {"description": "Serving."},

@@ -96,7 +96,7 @@ class ChatServing(OpenAIServing):
 
     async def _respond(self, stream: RequestStream, tracker: ChoiceTracker, meta: ResponseMeta, top: int,
                        plan: ToolPlan) -> Response:
-        await collect(stream, tracker)
+        prompt_logprobs = await collect(stream, tracker)
         choices = []
         for c in tracker.choices:
             text = "".join(c.text)
@@ -115,7 +115,11 @@ class ChatServing(OpenAIServing):
                 "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
             })
-        return JSONResponse({**meta.envelope("chat.completion", choices), "usage": tracker.usage()})
+        body = {**meta.envelope("chat.completion", choices), "usage": tracker.usage()}
+        if meta.id in prompt_logprobs:
+            body["prompt_logprobs"] = [None if entry is None else _vllm_logprobs(entry)
+                                       for entry in prompt_logprobs[meta.id]]
+        return JSONResponse(body)
 
     async def _events(self, stream: RequestStream, tracker: ChoiceTracker, meta: ResponseMeta, n: int, top: int,
                       include_usage: bool, plan: ToolPlan) -> AsyncIterator[str]:
@@ -177,6 +181,12 @@ def _chunk_choice(index: int, delta: dict[str, Any], logprobs: dict | None = Non
 
 def _token(text: str, logprob: float) -> dict[str, Any]:
     return {"token": text, "logprob": finite_logprob(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def _vllm_logprobs(entry: TokenLogprobs) -> dict[str, dict[str, Any]]:
+    """vLLM's shape for one prompt position: token id (as a JSON key) -> logprob, rank, decoded token."""
+    return {str(token_id): {"logprob": finite_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for token_id, lp in entry.items()}
 
 
 def _logprobs(entries: Sequence[TokenLogprobs], token_ids: Sequence[int], top: int) -> list[dict[str, Any]]:
