@@ -17,6 +17,7 @@ from .core.config import (
     chunks_prefill,
     whole_prompt_budget,
 )
+from .core.kv_connector import KVTransferConfig
 from .core.kv_plan import KV_CACHE_DTYPES, check_kv_cache_dtype
 from .core.step_budget import LatencyTarget
 from .core.validation import is_int
@@ -78,11 +79,15 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | str | None = field(default=None, metadata={
         "help": 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                 'or \'{"method": "draft_model", "model": "self:8"}\''})
+    kv_transfer_config: KVTransferConfig | dict | str | None = field(default=None, metadata={
+        "help": 'disaggregated prefill/decode as JSON, e.g. \'{"kv_connector": "PagedServeConnector", '
+                '"kv_role": "kv_producer", "kv_port": 14579, "lease_seconds": 30}\' (see docs/disaggregated.md)'})
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_memory(self.kv_cache_memory)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         if self.quantization not in QUANTIZATION_CHOICES:
@@ -144,7 +149,7 @@ class EngineConfig:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             elif f.name == "kv_cache_memory":
                 parser.add_argument(flag, type=parse_memory, default=None, help=help_text)
-            elif f.name in ("model", "attention_backend", "speculative_config"):
+            elif f.name in ("model", "attention_backend", "speculative_config", "kv_transfer_config"):
                 parser.add_argument(flag, type=str, default=f.default, help=help_text)
             elif f.name in ("itl_target_ms", "ttft_target_ms"):
                 parser.add_argument(flag, type=float, default=None, help=help_text)

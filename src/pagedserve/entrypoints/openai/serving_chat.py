@@ -69,7 +69,8 @@ class ChatServing(OpenAIServing):
             except ValueError as e:  # min_tokens beyond the room the prompt left
                 raise bad_request(e) from None
         stream = await self.start(seat, [
-            GenerationRequest(request_id, prompt_ids, params, arrival, req.priority, req.cache_salt)
+            GenerationRequest(request_id, prompt_ids, params, arrival, req.priority, req.cache_salt,
+                              req.kv_transfer_params)
         ])
         return stream, params, len(prompt_ids)
 
@@ -115,7 +116,8 @@ class ChatServing(OpenAIServing):
                 "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
             })
-        return JSONResponse({**meta.envelope("chat.completion", choices), "usage": tracker.usage()})
+        return JSONResponse({**meta.envelope("chat.completion", choices), "usage": tracker.usage(),
+                             **tracker.kv_transfer_field()})
 
     async def _events(self, stream: RequestStream, tracker: ChoiceTracker, meta: ResponseMeta, n: int, top: int,
                       include_usage: bool, plan: ToolPlan) -> AsyncIterator[str]:
