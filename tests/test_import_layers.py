@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
     {"spec_decode", "structured_output", "config", "sampling_params", "sampling_state", "outputs"},
     {"worker"},
     {"engine"},
-    {"entrypoints"},
+    {"entrypoints", "router"},
     {"sim", "bench"},
     {"entrypoints.cli", PACKAGE},
 ]

@@ -242,7 +242,8 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._closing = False
         self._refusing = False
-        self.snapshot = EngineSnapshot(kv_usage=stats.kv_usage, kernels=engine.kernels)
+        self.snapshot = EngineSnapshot(kv_usage=stats.kv_usage, kernels=engine.kernels,
+                                       kv_transfer=engine.engine_stats().kv_transfer)
         # Called on the event loop once the thread has crashed and its requests have failed;
         # the server uses it to exit non-zero rather than stay up unable to serve.
         self.on_crash: Callable[[BaseException], None] | None = None
