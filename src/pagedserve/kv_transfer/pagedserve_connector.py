@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -35,6 +36,9 @@ logger = logging.getLogger(__name__)
 # can reach the consumer just before the engine's next step publishes the hold.
 REGISTRATION_WAIT_SECONDS = 5.0
 _LOAD_THREADS = 4
+# Ids of holds that ended, remembered so a late PULL is refused at once rather than
+# after the registration wait.
+_GONE_IDS = 4096
 
 
 @dataclass(slots=True)
@@ -61,6 +65,7 @@ class PagedServeConnectorWorker(KVConnectorWorker):
         self._kv_caches: list[torch.Tensor] = []
         self._cond = threading.Condition()
         self._held: dict[str, _Held] = {}
+        self._gone: OrderedDict[str, None] = OrderedDict()
         self._finished = KVConnectorOutput()
         self._activity = threading.Event()
         self._loads: list[LoadSpec] = []
@@ -109,8 +114,7 @@ class PagedServeConnectorWorker(KVConnectorWorker):
         now = time.monotonic()
         with self._cond:
             for rid in [rid for rid, h in self._held.items() if not h.busy and now > h.deadline]:
-                del self._held[rid]
-                self._finished.finished_sending.add(rid)
+                self._let_go(rid)
                 self.counters["kv_transfer_leases_expired"] += 1
             out, self._finished = self._finished, KVConnectorOutput()
         return out
@@ -136,6 +140,14 @@ class PagedServeConnectorWorker(KVConnectorWorker):
         getattr(self._finished, kind).add(request_id)
         self._activity.set()
 
+    def _let_go(self, request_id: str) -> None:
+        """End a hold: the scheduler half may free its blocks. Called with the lock held."""
+        del self._held[request_id]
+        self._gone[request_id] = None
+        if len(self._gone) > _GONE_IDS:
+            self._gone.popitem(last=False)
+        self._report("finished_sending", request_id)
+
     # -- producer: serving held blocks ------------------------------------------------
 
     def _accept_loop(self) -> None:
@@ -155,9 +167,8 @@ class PagedServeConnectorWorker(KVConnectorWorker):
                     with self._cond:
                         held = self._held.get(frame.request_id)
                         if held is not None and not held.busy:
-                            del self._held[frame.request_id]
+                            self._let_go(frame.request_id)
                             self.counters["kv_transfer_releases_received"] += 1
-                            self._report("finished_sending", frame.request_id)
                     return
                 if frame.kind is not Kind.PULL:
                     raise FrameError(f"expected PULL or RELEASE, got {frame.kind.name}")
@@ -168,7 +179,8 @@ class PagedServeConnectorWorker(KVConnectorWorker):
     def _claim(self, request_id: str, block_ids: tuple[int, ...]) -> str | None:
         """Pin the request's blocks for one transfer; the reason it cannot be, or None."""
         with self._cond:
-            self._cond.wait_for(lambda: request_id in self._held or self._closed, REGISTRATION_WAIT_SECONDS)
+            self._cond.wait_for(lambda: request_id in self._held or request_id in self._gone or self._closed,
+                                REGISTRATION_WAIT_SECONDS)
             held = self._held.get(request_id)
             if held is None:
                 return f"request {request_id!r} holds no blocks here (released, expired or unknown)"
@@ -190,20 +202,19 @@ class PagedServeConnectorWorker(KVConnectorWorker):
             index = torch.tensor(pull.block_ids, dtype=torch.int64)
             with torch.inference_mode():
                 for layer, kv in enumerate(self._kv_caches):
-                    # [2, n, block_size, kv_heads, head_dim]: K and V of the asked blocks.
-                    data = kv.index_select(1, index)
-                    payload = memoryview(data.view(torch.uint8).reshape(-1).numpy())
+                    # K and V of the asked blocks, [2, n, block_size, kv_heads, head_dim], moved
+                    # as bytes (torch has no index ops for the fp8 types).
+                    data = kv.view(torch.uint8).index_select(1, index)
                     send_frame(conn, Frame(Kind.LAYER, rid, layer, pull.block_ids, _dtype_name(kv.dtype),
-                                           tuple(data.shape), payload))
+                                           (2, len(index), *kv.shape[2:]), memoryview(data.reshape(-1).numpy())))
             ack = read_frame(conn)
             done = ack.kind is Kind.DONE and ack.request_id == rid
         finally:
             with self._cond:
                 held = self._held.get(rid)
                 if done:
-                    self._held.pop(rid, None)
+                    self._let_go(rid)
                     self.counters["kv_transfer_blocks_sent"] += len(pull.block_ids)
-                    self._report("finished_sending", rid)
                 elif held is not None:
                     held.busy = False  # a failed transfer: the lease still bounds the hold
 
@@ -227,8 +238,9 @@ class PagedServeConnectorWorker(KVConnectorWorker):
                                 or frame.shape != expected):
                             raise _LoadError(f"layer {layer}: got {frame.kind.name} layer {frame.layer} "
                                              f"{frame.dtype} {frame.shape}, expected {_dtype_name(kv.dtype)} {expected}")
-                        values = torch.frombuffer(frame.payload, dtype=torch.uint8).view(kv.dtype).view(expected)
-                        kv.index_copy_(1, local, values)
+                        raw = kv.view(torch.uint8)
+                        raw.index_copy_(1, local, torch.frombuffer(frame.payload, dtype=torch.uint8).view(
+                            (2, len(local), *raw.shape[2:])))
                 send_frame(s, Frame(Kind.DONE, remote.request_id))
             ok = True
         except Exception as e:  # any failure must be reported, or the request would wait forever
