@@ -110,6 +110,8 @@ class KVConnectorOutput:
 class KVConnectorScheduler(ABC):
     """The scheduler half. Every method runs on the scheduler's thread."""
 
+    config: KVTransferConfig  # the scheduler reads kv_load_failure_policy from it
+
     @abstractmethod
     def validate_request(self, request: Request) -> None:
         """At add_request: raise ValueError (naming the kv_transfer_params key) if the
@@ -141,6 +143,10 @@ class KVConnectorScheduler(ABC):
     @abstractmethod
     def has_pending_work(self) -> bool:
         """Blocks held or loads in flight: the engine must keep stepping to hear of them."""
+
+    @abstractmethod
+    def load_finished(self, request_id: str) -> None:
+        """The worker reported a request's load, done or failed."""
 
     @abstractmethod
     def on_finished_sending(self, request_id: str) -> None:

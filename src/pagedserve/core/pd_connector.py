@@ -169,7 +169,6 @@ class PagedServeConnectorScheduler(KVConnectorScheduler):
         self.counters["kv_transfer_loads_started"] += 1
 
     def load_finished(self, request_id: str) -> None:
-        """The worker reported the request's load (done or failed)."""
         self._num_loading -= 1
 
     # -- steps ------------------------------------------------------------------------
