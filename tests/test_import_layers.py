@@ -22,12 +22,12 @@ SRC = Path(__file__).resolve().parent.parent / "src" / PACKAGE
 
 LAYERS: list[set[str]] = [
     {"core"},
-    {"attention", "kernels", "model", "workload", "paths"},
+    {"attention", "kernels", "model", "workload", "paths", "kv_transfer"},
     {"spec_decode", "structured_output", "config", "sampling_params", "sampling_state", "outputs"},
     {"worker"},
     {"distributed"},
     {"engine"},
-    {"entrypoints"},
+    {"entrypoints", "router"},
     {"sim", "bench"},
     {"entrypoints.cli", PACKAGE},
 ]

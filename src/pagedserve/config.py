@@ -17,6 +17,7 @@ from .core.config import (
     chunks_prefill,
     whole_prompt_budget,
 )
+from .core.kv_connector import KVTransferConfig
 from .core.kv_plan import KV_CACHE_DTYPES, check_kv_cache_dtype
 from .core.step_budget import LatencyTarget
 from .core.validation import is_int
@@ -87,11 +88,15 @@ class EngineConfig:
     nnodes: int = field(default=1, metadata={"help": "hosts the tensor-parallel ranks are spread over"})
     node_rank: int = field(default=0, metadata={
         "help": "this host's index among --nnodes (0 runs the engine; others run `pagedserve worker`)"})
+    kv_transfer_config: KVTransferConfig | dict | str | None = field(default=None, metadata={
+        "help": 'disaggregated prefill/decode as JSON, e.g. \'{"kv_connector": "PagedServeConnector", '
+                '"kv_role": "kv_producer", "kv_port": 14579, "lease_seconds": 30}\' (see docs/disaggregated.md)'})
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_memory(self.kv_cache_memory)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         if self.quantization not in QUANTIZATION_CHOICES:
@@ -133,6 +138,9 @@ class EngineConfig:
             if self.quantization != "none":
                 raise ValueError(f"quantization={self.quantization!r} is not supported with tensor_parallel_size > 1 "
                                  "(the shards are fp32; use quantization='none')")
+            if self.kv_transfer_config is not None:
+                # The connector moves one rank's cache; the other ranks' shards would stay behind.
+                raise ValueError("kv_transfer_config is not supported with tensor_parallel_size > 1")
 
     @property
     def ranks_per_node(self) -> int:
@@ -184,7 +192,8 @@ class EngineConfig:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             elif f.name == "kv_cache_memory":
                 parser.add_argument(flag, type=parse_memory, default=None, help=help_text)
-            elif f.name in ("model", "attention_backend", "speculative_config", "distributed_init_method"):
+            elif f.name in ("model", "attention_backend", "speculative_config", "distributed_init_method",
+                            "kv_transfer_config"):
                 parser.add_argument(flag, type=str, default=f.default, help=help_text)
             elif f.name in ("itl_target_ms", "ttft_target_ms"):
                 parser.add_argument(flag, type=float, default=None, help=help_text)

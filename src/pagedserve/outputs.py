@@ -58,3 +58,6 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the
     # first, which has no context), complete from the first output on.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # Disaggregated prefill: where the decode instance can pull this request's KV (set on
+    # the finished output of a request sent with kv_transfer_params {"do_remote_decode": true}).
+    kv_transfer_params: dict | None = None

@@ -48,7 +48,7 @@ def _free_port() -> int:
 
 
 def start_server(log_dir: Path, *flags: str, env: dict[str, str] | None = None,
-                 entry: str = "pagedserve.entrypoints.cli") -> ServerProcess:
+                 entry: str = "pagedserve.entrypoints.cli", startup_timeout_s: float = STARTUP_TIMEOUT_S) -> ServerProcess:
     """Start a server (`python -m entry serve ...`) and wait until /health answers 200."""
     port = _free_port()
     log_path = log_dir / f"server-{port}.log"
@@ -57,7 +57,7 @@ def start_server(log_dir: Path, *flags: str, env: dict[str, str] | None = None,
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     server = ServerProcess(proc, port, log_path)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    deadline = time.monotonic() + startup_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-3000:]}")
@@ -68,4 +68,27 @@ def start_server(log_dir: Path, *flags: str, env: dict[str, str] | None = None,
             pass
         time.sleep(0.2)
     server.stop()
-    raise RuntimeError(f"server did not become healthy in {STARTUP_TIMEOUT_S} s:\n{server.log()[-3000:]}")
+    raise RuntimeError(f"server did not become healthy in {startup_timeout_s} s:\n{server.log()[-3000:]}")
+
+
+def start_router(log_dir: Path, *flags: str) -> ServerProcess:
+    """Start `pagedserve router ...` and wait until its /health answers (it asks a decode instance)."""
+    port = _free_port()
+    log_path = log_dir / f"router-{port}.log"
+    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "router", "--port", str(port),
+           "--uvicorn-log-level", "warning", *flags]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    router = ServerProcess(proc, port, log_path)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"router exited with {proc.returncode}:\n{router.log()[-3000:]}")
+        try:
+            if httpx.get(router.url + "/health", timeout=2).status_code == 200:
+                return router
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    router.stop()
+    raise RuntimeError(f"router did not become healthy in {STARTUP_TIMEOUT_S} s:\n{router.log()[-3000:]}")

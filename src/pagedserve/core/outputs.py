@@ -79,6 +79,8 @@ class SchedulerOutput:
     # Finished or aborted (and released) since the previous schedule(); the runner
     # drops any state it keeps for them and ignores ids it does not know.
     finished_request_ids: list[str]
+    # The KV connector's metadata for its worker half (None: no connector, or nothing to say).
+    kv_connector_metadata: object | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -17,11 +17,13 @@ CHILD_ID_SEPARATOR = "#"
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
+    # Admitted with blocks, waiting for a KV connector to load part of its prompt.
+    WAITING_FOR_REMOTE_KVS = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
 
     @property
     def is_finished(self) -> bool:
@@ -67,6 +69,9 @@ class Request:
     # logprobs need the logits of every prompt position; cached blocks have none).
     skip_prefix_cache: bool = False
     sampling: SampleState | None = None
+    # Disaggregated prefill/decode: what the KV connector should do with this request
+    # (core/pd_connector.py reads it; None without a connector).
+    kv_transfer_params: dict | None = None
     parent_id: str | None = None
     index: int = 0
 
@@ -90,6 +95,8 @@ class Request:
     # Draft tokens computed this step and not yet verified: counted in
     # num_computed_tokens until update() keeps the accepted ones and rolls back the rest.
     num_unverified_tokens: int = field(init=False, default=0)
+    # Set when the request is released: the connector's hand-off for the client.
+    kv_transfer_result: dict | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from .config import CacheConfig, SchedulerConfig
+from .kv_connector import KVConnectorOutput, KVConnectorScheduler
 from .kv_cache_manager import Allocation, KVCacheManager, PrefixHit
 from .outputs import RequestUpdate, ScheduledRequest, SchedulerOutput, SchedulerStats
 from .policies import make_policy
@@ -42,6 +43,7 @@ from .step_budget import StepBudget
 
 RUNNING = RequestStatus.RUNNING
 ABORTED = RequestStatus.FINISHED_ABORTED
+LOADING = RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
 class _Step:
@@ -86,22 +88,27 @@ class _Step:
     def live_rows(self) -> list[ScheduledRequest]:
         return [r for r in self.rows if r is not None]
 
-    def build(self, finished_ids: list[str]) -> SchedulerOutput:
+    def build(self, finished_ids: list[str], kv_connector_metadata: object | None) -> SchedulerOutput:
         return SchedulerOutput(
             scheduled=self.live_rows(),
             num_scheduled_tokens=self.num_tokens,
             block_copies=[c for i in sorted(self.copies) for c in self.copies[i]],
             preempted_request_ids=self.preempted,
             finished_request_ids=finished_ids,
+            kv_connector_metadata=kv_connector_metadata,
         )
 
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 step_budget: StepBudget | None = None):
+                 step_budget: StepBudget | None = None, kv_connector: KVConnectorScheduler | None = None):
         """`step_budget`: choose each step's budget from a latency target (chunked policy
-        only); None keeps the fixed max_num_batched_tokens."""
+        only); None keeps the fixed max_num_batched_tokens. `kv_connector`: the scheduler
+        half of a KV connector (disaggregated prefill/decode); None calls nothing of it."""
         self.config = scheduler_config
+        if kv_connector is not None and scheduler_config.policy not in ("chunked", "continuous"):
+            raise ValueError(f"a KV connector needs policy 'chunked' or 'continuous', got {scheduler_config.policy!r}")
+        self.connector = kv_connector
         if step_budget is not None and not scheduler_config.chunked_prefill:
             raise ValueError("a latency target needs chunked prefill (policy 'chunked', enable_chunked_prefill)")
         if step_budget is not None and step_budget.cap > scheduler_config.max_num_batched_tokens:
@@ -128,6 +135,11 @@ class Scheduler:
         self._truncated: set[str] = set()
         self._children: dict[str, list[Request]] = {}
         self._released_ids: list[str] = []
+        # KV connector: requests whose blocks are being loaded (status LOADING, or
+        # finished while loading: their blocks stay until the load stops writing them),
+        # and finished requests whose blocks the connector holds for a remote reader.
+        self._loading: dict[str, Request] = {}
+        self._held: dict[str, Request] = {}
 
     # -- requests in -----------------------------------------------------------------
 
@@ -155,6 +167,10 @@ class Scheduler:
                 f"request {rid}: prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) "
                 f"= {total} tokens needs {-(-total // bs)} KV blocks of {bs}; the pool has {self.kv_cache.num_blocks}"
             )
+        if self.connector is not None:
+            self.connector.validate_request(request)
+        elif request.kv_transfer_params is not None:
+            raise ValueError("kv_transfer_params needs a KV connector (--kv-transfer-config)")
         self.requests[rid] = request
         self.waiting.add(request)
 
@@ -170,7 +186,7 @@ class Scheduler:
                 self._schedule_waiting(step)
         self.policy.end_step()
         released, self._released_ids = self._released_ids, []
-        return step.build(released)
+        return step.build(released, self.connector.build_connector_meta() if self.connector is not None else None)
 
     def _budget(self) -> int:
         if self.step_budget is None:
@@ -286,6 +302,18 @@ class Scheduler:
             if req is None or self._seats + req.num_seats > max_seats:
                 return
             hit = self.kv_cache.find_prefix_hit(req)
+            if self.connector is not None:
+                num_external, _ = self.connector.get_num_new_matched_tokens(req, hit.num_tokens)
+                if num_external is None:
+                    return
+                if num_external:
+                    # The load costs no compute budget: the request waits for it holding its blocks.
+                    alloc = (self.kv_cache.allocate_slots(req, num_external, hit)
+                             or self._make_room(req, num_external, step, hit, may_preempt=False))
+                    if alloc is None:
+                        return
+                    self._start_loading(req, hit, num_external)
+                    continue
             n = prefill_tokens(req.num_tokens - hit.num_tokens, step.budget, step.is_empty)
             if n == 0:
                 return
@@ -307,6 +335,52 @@ class Scheduler:
         step.add(ScheduledRequest.with_table(req, n, start, self.kv_cache.block_ids(req),
                                              self._num_samples(req, start, n)), ())
         req.num_computed_tokens = start + n
+
+    def _start_loading(self, req: Request, hit: PrefixHit, num_external: int) -> None:
+        self.waiting.remove(req)
+        req.status = LOADING
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = hit.num_tokens
+        self._seats += req.num_seats
+        req.num_computed_tokens = hit.num_tokens
+        self._loading[req.request_id] = req
+        self.connector.update_state_after_alloc(req, self.kv_cache.block_ids(req), num_external)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> list[RequestUpdate]:
+        """Apply what the connector's worker half reported after a step: free blocks it no
+        longer serves, start requests whose load finished, and handle failed loads
+        (kv_load_failure_policy: recompute the prompt, or fail the request). Returns the
+        updates of requests that failed."""
+        for rid in output.finished_sending:
+            req = self._held.pop(rid, None)
+            if req is not None:
+                self.connector.on_finished_sending(rid)
+                self.kv_cache.free(req)
+        updates = []
+        for rid in (*output.finished_recving, *output.failed_recving):
+            req = self._loading.pop(rid, None)
+            if req is None:
+                continue
+            self.connector.load_finished(rid)
+            if req.status is not LOADING:  # it ended while the load was writing its blocks
+                self._release(req)
+                continue
+            if rid in output.finished_recving:
+                req.num_computed_tokens = req.num_prompt_tokens - 1
+                self.kv_cache.cache_blocks(req, req.num_computed_tokens)
+            elif self.connector.config.kv_load_failure_policy == "fail":
+                req.status = ABORTED
+                self._seats -= req.num_seats
+                self._release(req)
+                updates.append(RequestUpdate(req, [], ABORTED))
+                continue
+            # It runs from its computed tokens: the prompt's last one after a load, the
+            # local prefix hit after a failed one (whose blocks are then written again).
+            req.status = RUNNING
+            self.running.append(req)
+            self._unsynced.add(rid)
+            self.policy.on_admitted(req)
+        return updates
 
     @staticmethod
     def _take_drafts(req: Request, room: int) -> tuple[int, ...]:
@@ -477,6 +551,11 @@ class Scheduler:
         return targets
 
     def _end(self, req: Request, status: RequestStatus) -> None:
+        if req.status is LOADING:
+            # The worker may still be writing its blocks: they are freed when it reports.
+            req.status = status
+            self._seats -= req.num_seats
+            return
         was_running = req.status is RUNNING
         if was_running:
             self.running.remove(req)
@@ -507,7 +586,14 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         rid = req.request_id
-        self.kv_cache.free(req)
+        if self.connector is not None:
+            delay_free, req.kv_transfer_result = self.connector.request_finished(req, self.kv_cache.block_ids(req))
+            if delay_free:
+                self._held[rid] = req
+            else:
+                self.kv_cache.free(req)
+        else:
+            self.kv_cache.free(req)
         self._unsynced.discard(rid)
         self._truncated.discard(rid)
         del self.requests[rid]
@@ -520,7 +606,11 @@ class Scheduler:
     # -- introspection -------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.padding or len(self.waiting))
+        return bool(self.running or self.padding or len(self.waiting) or self._loading)
+
+    def has_connector_work(self) -> bool:
+        """Transfers the engine must keep stepping for, though nothing may be computing."""
+        return self.connector is not None and self.connector.has_pending_work()
 
     def has_pending_prefills(self) -> bool:
         """Whether any prompt, waiting or running, still has tokens to compute."""
@@ -534,7 +624,7 @@ class Scheduler:
             kv_usage=kv.usage,
             kv_waste=kv.waste(),
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self._loading),
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
@@ -543,7 +633,8 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Raise AssertionError if block accounting or request bookkeeping is off."""
         self.kv_cache.check_invariants()
-        seats = sum(r.num_seats for r in self.running) + len(self.padding)
+        seats = (sum(r.num_seats for r in self.running) + len(self.padding)
+                 + sum(r.num_seats for r in self._loading.values() if r.status is LOADING))
         if seats != self._seats or seats > self.config.max_num_seqs:
             raise AssertionError(f"seats: counted {self._seats}, rows hold {seats}, max {self.config.max_num_seqs}")
         for r in self.running:
@@ -553,11 +644,18 @@ class Scheduler:
         for r in self.padding.values():
             if not r.is_finished or not self.kv_cache.has_blocks(r):
                 raise AssertionError(f"padding row {r.request_id} must be finished and hold blocks")
+        for r in self._loading.values():
+            if not self.kv_cache.has_blocks(r):
+                raise AssertionError(f"loading request {r.request_id} holds no blocks")
+        for rid, r in self._held.items():
+            if not r.is_finished or not self.kv_cache.has_blocks(r) or rid in self.requests:
+                raise AssertionError(f"held request {rid} must be finished, released and hold blocks")
         for r in self.waiting:
             if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED) or r.num_computed_tokens:
                 raise AssertionError(f"waiting request {r.request_id} is {r.status.name}")
             if self.kv_cache.has_blocks(r):
                 raise AssertionError(f"waiting request {r.request_id} holds blocks")
-        live = {r.request_id for r in self.running} | set(self.padding) | {r.request_id for r in self.waiting}
+        live = ({r.request_id for r in self.running} | set(self.padding) | {r.request_id for r in self.waiting}
+                | set(self._loading))
         if live != set(self.requests):
             raise AssertionError(f"requests {sorted(live ^ set(self.requests))} are lost or duplicated")

@@ -52,6 +52,7 @@ class GenerationRequest:
     arrival_time: float  # time.monotonic() when the client's request arrived
     priority: int = 0
     cache_salt: str | None = None
+    kv_transfer_params: dict | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +76,8 @@ class RequestDelta:
     metrics: RequestMetrics | None  # a copy, on a request's last delta (None after an abort)
     # With prompt_logprobs: one entry per prompt token (None for the first), on the first delta.
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    # A producer's hand-off to the decode instance, on the request's last delta.
+    kv_transfer_params: dict | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +96,8 @@ class EngineSnapshot:
     spec_decode: SpecDecodeStats | None = None
     # Which kernel path runs ("native" or "torch"; "" before the first snapshot).
     kernels: str = ""
+    # KV-transfer counters (kv_transfer_*); None without a KV connector.
+    kv_transfer: dict[str, int] | None = None
     time: float = field(default_factory=time.monotonic)
 
 
@@ -243,7 +248,8 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._closing = False
         self._refusing = False
-        self.snapshot = EngineSnapshot(kv_usage=stats.kv_usage, kernels=engine.kernels)
+        self.snapshot = EngineSnapshot(kv_usage=stats.kv_usage, kernels=engine.kernels,
+                                       kv_transfer=engine.engine_stats().kv_transfer)
         # Called on the event loop once the thread has crashed and its requests have failed;
         # the server uses it to exit non-zero rather than stay up unable to serve.
         self.on_crash: Callable[[BaseException], None] | None = None
@@ -289,6 +295,8 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._commands.put(_STOP)
             await asyncio.to_thread(self._thread.join, timeout)
+        if not self._thread.is_alive():  # never under a thread still stepping
+            self.engine.shutdown()  # tensor-parallel ranks, the KV connector's threads
         self._fail_all(EngineDeadError("the server is shutting down"))
 
     # -- state ----------------------------------------------------------------------------
@@ -471,7 +479,7 @@ class AsyncEngine:
         try:
             self.engine.add_request(
                 r.prompt_token_ids, r.params, request_id=r.request_id, priority=r.priority,
-                cache_salt=r.cache_salt, arrival_time=r.arrival_time,
+                cache_salt=r.cache_salt, arrival_time=r.arrival_time, kv_transfer_params=r.kv_transfer_params,
             )
         except ValueError as error:
             return r.request_id, error
@@ -519,7 +527,8 @@ def _delta(out: RequestOutput, live: dict[str, _Live], now: float) -> RequestDel
     if out.finished:
         del live[out.request_id]
         metrics = dataclasses.replace(out.metrics)
-    return RequestDelta(out.request_id, tuple(samples), out.finished, now, metrics, prompt_logprobs)
+    return RequestDelta(out.request_id, tuple(samples), out.finished, now, metrics, prompt_logprobs,
+                        out.kv_transfer_params if out.finished else None)
 
 
 def _snapshot(engine: LLMEngine, num_adds: int) -> EngineSnapshot:
@@ -530,4 +539,5 @@ def _snapshot(engine: LLMEngine, num_adds: int) -> EngineSnapshot:
         busy=engine.has_unfinished_requests(),
         spec_decode=stats.spec_decode,
         kernels=stats.kernels,
+        kv_transfer=stats.kv_transfer,
     )

@@ -18,11 +18,14 @@ from ..attention.selector import default_backend_name
 from ..config import EngineConfig, default_kv_cache_memory
 from ..core.kv_plan import KV_CACHE_DTYPE_BYTES, KVCachePlan, plan_kv_cache
 from ..core.outputs import SchedulerOutput, SchedulerStats
+from ..core.pd_connector import PagedServeConnectorScheduler
 from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler
 from ..core.step_budget import StepBudget
 from ..distributed.executor import TensorParallelExecutor
 from ..kernels import resolve_kernels
+from ..kv_transfer.base import KVConnectorWorker
+from ..kv_transfer.factory import make_kv_connector_worker
 from ..model.config import ModelConfig
 from ..model.loader import LoadedModel, load_model
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
@@ -39,6 +42,10 @@ from .step_timing import step_time_model
 
 logger = logging.getLogger(__name__)
 
+# With only KV transfers in flight, how long an idle step waits for one to end (also
+# how late a new request may be noticed then).
+_TRANSFER_POLL_SECONDS = 0.005
+
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
@@ -49,12 +56,15 @@ class EngineStats:
     kernels: str
     # A copy of the acceptance counters; None without speculative decoding.
     spec_decode: SpecDecodeStats | None = None
+    # KV-transfer counters by name (kv_transfer_*); None without a KV connector.
+    kv_transfer: dict[str, int] | None = None
 
     def as_dict(self) -> dict:
-        """`LLMEngine.stats()`: the scheduler's fields by name, the kernels, then the spec_* entries."""
+        """`LLMEngine.stats()`: the scheduler's fields by name, the kernels, then the spec_* and
+        kv_transfer_* entries."""
         s = self.scheduler
         return {**{f.name: getattr(s, f.name) for f in fields(s)}, "kernels": self.kernels,
-                **(self.spec_decode.as_dict() if self.spec_decode is not None else {})}
+                **(self.spec_decode.as_dict() if self.spec_decode is not None else {}), **(self.kv_transfer or {})}
 
 
 @dataclass
@@ -75,6 +85,7 @@ class _Tracked:
     sequences: dict[int, _Sequence] = field(default_factory=dict)
     num_finished: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # filled by position as prefill runs
+    kv_transfer_params: dict | None = None  # a producer's hand-off, once the request finished
 
     @property
     def finished(self) -> bool:
@@ -92,6 +103,16 @@ def _plan_kv_cache(config: EngineConfig, target: ModelConfig, draft: LoadedModel
         raise ValueError(f"kv_cache_memory ({memory} bytes) is below one KV block ({plan.bytes_per_block} bytes)"
                          + (f" plus {plan.scratch_bytes} bytes of draft scratch" if plan.scratch_bytes else ""))
     return plan
+
+
+def _kv_connector(config: EngineConfig) -> tuple[KVConnectorWorker | None, PagedServeConnectorScheduler | None]:
+    """The disaggregated-prefill connector's worker and scheduler sides, or neither."""
+    kv_transfer = config.kv_transfer_config
+    if kv_transfer is None:
+        return None, None
+    worker = make_kv_connector_worker(kv_transfer)
+    return worker, PagedServeConnectorScheduler(kv_transfer, config.block_size, worker.engine_id, worker.host,
+                                                worker.port)
 
 
 class LLMEngine:
@@ -124,14 +145,15 @@ class LLMEngine:
         if self.tp is not None:
             self.tp.start(plan.num_blocks, config.block_size, config.kv_cache_dtype)
         sched_config = config.scheduler_config(self.max_model_len)
+        self.kv_connector, connector_scheduler = _kv_connector(config)
         self.scheduler = Scheduler(sched_config, config.cache_config(plan.num_blocks),
-                                   self._step_budget(sched_config.max_num_batched_tokens))
+                                   self._step_budget(sched_config.max_num_batched_tokens), connector_scheduler)
         self.runner = ModelRunner(
             self.loaded.model, plan, config.max_num_seqs, self.max_model_len,
             eos_token_ids=tuple(self.tokenizer.stop_token_ids),
             attention_backend=config.attention_backend or default_backend_name(self.kernels),
             speculative=spec, draft=draft.model if draft is not None else None,
-            kv_cache_dtype=config.kv_cache_dtype, peers=self.tp,
+            kv_cache_dtype=config.kv_cache_dtype, peers=self.tp, kv_connector=self.kv_connector,
         )
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec is not None else None
         self.structured_outputs = StructuredOutputManager(self.tokenizer, mc.vocab_size)
@@ -152,9 +174,12 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks (a no-op without them); the engine cannot step after."""
+        """Stop the tensor-parallel ranks and the KV connector's threads (no-ops without
+        them); the engine cannot step after."""
         if self.tp is not None:
             self.tp.shutdown()
+        if getattr(self, "kv_connector", None) is not None:  # absent when _build failed early
+            self.kv_connector.shutdown()
 
     def _step_budget(self, cap: int) -> StepBudget | None:
         """The latency target's per-step budget (None: the fixed max_num_batched_tokens)."""
@@ -176,6 +201,7 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> str:
         """Validate, tokenize and queue a request; raise ValueError if it can never run."""
         params = params or SamplingParams()
@@ -219,6 +245,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             skip_prefix_cache=params.prompt_logprobs is not None,
             sampling=SamplingState.for_request(params, matchers),
+            kv_transfer_params=kv_transfer_params,
         )
         self.scheduler.add_request(request)
         self._tracked[rid] = _Tracked(rid, prompt_text, prompt_ids, params, RequestMetrics(request.arrival_time),
@@ -233,7 +260,8 @@ class LLMEngine:
         return tracked is not None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to step, or KV transfers the engine must keep stepping to hear of."""
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_connector_work()
 
     # -- one step ----------------------------------------------------------------------
 
@@ -253,6 +281,11 @@ class LLMEngine:
                     tracked.metrics.first_scheduled_time = now
         result = self.runner.execute(sched)
         updates = self.scheduler.update(sched, result.sampled)
+        if self.kv_connector is not None:
+            if sched.is_empty and not self.scheduler.running:
+                # Only transfers in flight: sleep until one ends instead of spinning.
+                self.kv_connector.wait_for_activity(_TRANSFER_POLL_SECONDS)
+            updates += self.scheduler.update_connector_output(self.kv_connector.get_finished())
         budget = self.scheduler.step_budget
         if budget is not None and sched.scheduled:
             budget.observe([(r.num_new_tokens, r.start) for r in sched.scheduled],
@@ -317,6 +350,7 @@ class LLMEngine:
             tracked.num_finished += 1
             if tracked.finished:
                 m.finished_time = now
+                tracked.kv_transfer_params = req.kv_transfer_result
 
     @staticmethod
     def _detokenize(detokenizer: IncrementalDetokenizer, new_ids: list[int]) -> tuple[str, str | None, list[int]]:
@@ -386,15 +420,17 @@ class LLMEngine:
             del self._tracked[tracked.request_id]
         return RequestOutput(
             tracked.request_id, tracked.prompt, tracked.prompt_token_ids, outputs, tracked.finished, tracked.metrics,
-            tracked.prompt_logprobs,
+            tracked.prompt_logprobs, tracked.kv_transfer_params,
         )
 
     # -- introspection -----------------------------------------------------------------
 
     def engine_stats(self) -> EngineStats:
         spec = self.spec_stats
+        connector = self.scheduler.connector
         return EngineStats(self.scheduler.stats(), self.kernels,
-                           replace(spec, accepted_per_pos=list(spec.accepted_per_pos)) if spec is not None else None)
+                           replace(spec, accepted_per_pos=list(spec.accepted_per_pos)) if spec is not None else None,
+                           {**connector.stats(), **self.kv_connector.stats()} if connector is not None else None)
 
     def stats(self) -> dict:
         return self.engine_stats().as_dict()

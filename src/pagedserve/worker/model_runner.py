@@ -27,6 +27,7 @@ from ..attention.timed import TimedBackend
 from ..core.kv_plan import KVCachePlan
 from ..core.outputs import ScheduledRequest, SchedulerOutput
 from ..core.request import Request
+from ..kv_transfer.base import KVConnectorWorker
 from ..model.llama import LlamaModel
 from ..spec_decode.config import SpeculativeConfig
 from ..spec_decode.ngram import NgramProposer
@@ -75,6 +76,7 @@ class ModelRunner:
         draft: LlamaModel | None = None,
         kv_cache_dtype: str = "auto",
         peers: StepPeers | None = None,
+        kv_connector: KVConnectorWorker | None = None,
     ):
         self.model = model
         self.peers = peers
@@ -86,6 +88,10 @@ class ModelRunner:
         dtype = kv_cache_torch_dtype(kv_cache_dtype)
         self.kv_caches = allocate_kv_caches(model, kv_plan.num_blocks, bs, dtype, num_scratch, self_layers or 0)
         self.backend = get_backend(attention_backend)
+        # The worker half of a KV connector (disaggregated prefill/decode), or None.
+        self.kv_connector = kv_connector
+        if kv_connector is not None:
+            kv_connector.register_kv_caches(self.kv_caches)
         self.block_tables = BlockTableRows(max_num_seqs, -(-max_model_len // bs))
         self.eos_token_ids = eos_token_ids
         self.speculative = speculative
@@ -177,6 +183,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._update_block_tables(out)
+        if self.kv_connector is not None:
+            # Loads run beside this step's forward (into blocks no row of it touches).
+            self.kv_connector.bind_connector_metadata(out.kv_connector_metadata)
+            self.kv_connector.start_load_kv()
         copies = None
         if out.block_copies:
             # Copy-on-write: each request gets its private copy of a shared, partly filled block.

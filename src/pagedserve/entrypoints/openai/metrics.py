@@ -55,6 +55,13 @@ class _EngineCollector(Collector):
             yield kernels
         if snap.spec_decode is not None:
             yield from self._spec_decode(snap.spec_decode)
+        for name, value in (snap.kv_transfer or {}).items():
+            # Held and loading counts go up and down; the rest only count up.
+            family = GaugeMetricFamily if "_held_" in name or "_loading_" in name else CounterMetricFamily
+            metric = family(PREFIX + name, "KV transfer (disaggregated prefill/decode): " + name[12:].replace("_", " "),
+                            labels=["model_name"])
+            metric.add_metric([self._model], value)
+            yield metric
 
     def _spec_decode(self, spec: SpecDecodeStats) -> Iterator[Metric]:
         for name, doc, value in (

@@ -135,6 +135,9 @@ class _GenerationRequest(_Model):
     # vLLM extras, passed to the engine.
     priority: int = Field(0, description="Lower runs first under --scheduling-policy priority.")
     cache_salt: str | None = None
+    # Disaggregated prefill/decode (docs/disaggregated.md): {"do_remote_decode": true} on a
+    # prefill instance; the prefill's response's kv_transfer_params on a decode instance.
+    kv_transfer_params: dict[str, Any] | None = None
     # vLLM's structured-output fields (the guided_* ones are its older spelling); at most one may be given.
     guided_json: _ConstraintText | dict[str, Any] | None = None
     guided_regex: _ConstraintText | None = None

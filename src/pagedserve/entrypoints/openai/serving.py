@@ -165,10 +165,13 @@ class ChoiceTracker:
         self._keep = keep_output
         self.choices = [ChoiceState(i) for i in range(len(request_ids) * n)]
         self.num_prompt_tokens = num_prompt_tokens
+        self.kv_transfer_params: dict | None = None
 
     def update(self, delta: RequestDelta) -> list[tuple[ChoiceState, SampleDelta]]:
         """Apply a delta; return (choice, sample delta) for each sample it touched."""
         base = self._prompt_of[delta.request_id] * self._n
+        if delta.kv_transfer_params is not None:
+            self.kv_transfer_params = delta.kv_transfer_params
         touched = []
         for sample in delta.samples:
             choice = self.choices[base + sample.index]
@@ -182,6 +185,10 @@ class ChoiceTracker:
                 choice.finish_reason, choice.stop_reason = sample.finish_reason, sample.stop_reason
             touched.append((choice, sample))
         return touched
+
+    def kv_transfer_field(self) -> dict[str, dict]:
+        """The response's top-level kv_transfer_params (a prefill instance's hand-off), if any."""
+        return {"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params is not None else {}
 
     def usage(self) -> dict[str, int]:
         completion = sum(c.num_tokens for c in self.choices)

@@ -69,7 +69,8 @@ class ChatServing(OpenAIServing):
             except ValueError as e:  # min_tokens beyond the room the prompt left
                 raise bad_request(e) from None
         stream = await self.start(seat, [
-            GenerationRequest(request_id, prompt_ids, params, arrival, req.priority, req.cache_salt)
+            GenerationRequest(request_id, prompt_ids, params, arrival, req.priority, req.cache_salt,
+                              req.kv_transfer_params)
         ])
         return stream, params, len(prompt_ids)
 
@@ -115,7 +116,7 @@ class ChatServing(OpenAIServing):
                 "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
             })
-        body = {**meta.envelope("chat.completion", choices), "usage": tracker.usage()}
+        body = {**meta.envelope("chat.completion", choices), "usage": tracker.usage(), **tracker.kv_transfer_field()}
         if meta.id in prompt_logprobs:
             body["prompt_logprobs"] = [None if entry is None else _vllm_logprobs(entry)
                                        for entry in prompt_logprobs[meta.id]]

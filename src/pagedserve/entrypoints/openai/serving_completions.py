@@ -27,6 +27,8 @@ class CompletionServing(OpenAIServing):
         arrival, req, meta = await self.read_request(request, CompletionRequest, "cmpl")
         params = completion_sampling_params(req, self.limits)
         prompts = completion_prompts(req.prompt)
+        if req.kv_transfer_params is not None and len(prompts) != 1:
+            raise APIError(400, "kv_transfer_params goes with one prompt", param="kv_transfer_params")
         if len(prompts) > self.admission.max_queued_requests:
             raise APIError(400, f"prompt has {len(prompts)} prompts; this server takes at most "
                                 f"{self.admission.max_queued_requests} per request", param="prompt")
@@ -37,7 +39,8 @@ class CompletionServing(OpenAIServing):
                 self.room_for_output(len(p.token_ids), params.max_tokens)
             ids = [f"{meta.id}-{i}" for i in range(len(prepared))]
             stream = await self.start(seat, [
-                GenerationRequest(rid, p.token_ids, params, arrival, req.priority, req.cache_salt)
+                GenerationRequest(rid, p.token_ids, params, arrival, req.priority, req.cache_salt,
+                                  req.kv_transfer_params)
                 for rid, p in zip(ids, prepared)
             ])
             tracker = ChoiceTracker(ids, params.n, sum(len(p.token_ids) for p in prepared), keep_output=not req.stream)
@@ -88,7 +91,8 @@ class CompletionServing(OpenAIServing):
                 logprobs = _logprobs(choice.logprobs, choice.token_ids, len(echo))
             choices.append({"index": choice.index, "text": echo + text, "logprobs": logprobs,
                             "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
-        return JSONResponse({**meta.envelope("text_completion", choices), "usage": tracker.usage()})
+        return JSONResponse({**meta.envelope("text_completion", choices), "usage": tracker.usage(),
+                             **tracker.kv_transfer_field()})
 
     def _prompt_logprobs(self, entries: Sequence[TokenLogprobs | None], token_ids: Sequence[int]) -> dict[str, list]:
         """The prompt's part of an echoed choice: the first token has no logprob (None), as in OpenAI's API."""

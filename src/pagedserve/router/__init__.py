@@ -1,0 +1,1 @@
+"""Routers in front of several pagedserve instances."""

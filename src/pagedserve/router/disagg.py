@@ -1,0 +1,240 @@
+"""`pagedserve router --prefill URL... --decode URL...`: the proxy of disaggregated
+prefill/decode. The client sees one ordinary OpenAI endpoint.
+
+Per request (POST /v1/completions or /v1/chat/completions):
+1. send it to a prefill instance with max_tokens=1, n=1, stream off and
+   kv_transfer_params {"do_remote_decode": true}; the response's kv_transfer_params
+   say where that instance holds the prompt's KV blocks;
+2. send the original request, with those kv_transfer_params, to a decode instance,
+   which pulls the blocks instead of prefilling, and relay its reply (streamed or not).
+
+Instances are taken round-robin. A prefill instance that cannot be reached or fails
+(5xx) costs only speed: the request goes to a decode instance without parameters and
+is prefilled there; a client error (4xx) from it is the client's answer. A decode
+instance that cannot be reached is skipped for the next. A client that leaves while
+its request is at the prefill instance aborts it there; one that leaves between the
+two phases has the router release the held blocks (a RELEASE frame to the producer's
+block server); one that leaves during the decode aborts it on the decode instance,
+which releases its side.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import socket
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..kv_transfer.frame import Frame, Kind, send_frame
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# Headers that describe one hop's connection or body, not the request.
+_HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding"}
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
+
+
+@dataclass
+class DisaggConfig:
+    prefill_urls: Sequence[str]
+    decode_urls: Sequence[str]
+    # Seconds a whole upstream request may take (a long prompt on a CPU is slow).
+    timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.prefill_urls or not self.decode_urls:
+            raise ValueError("the P/D router needs at least one --prefill and one --decode URL")
+        for url in (*self.prefill_urls, *self.decode_urls):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"instance URL {url!r} must start with http:// or https://")
+
+
+class DisaggRouter:
+    def __init__(self, config: DisaggConfig):
+        self.config = config
+        self._prefill = itertools.cycle([u.rstrip("/") for u in config.prefill_urls])
+        self._decode_urls = [u.rstrip("/") for u in config.decode_urls]
+        self._decode = itertools.cycle(range(len(self._decode_urls)))
+        self.client: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.config.timeout, connect=5.0),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+
+    # -- the two phases ------------------------------------------------------------------
+
+    async def generate(self, request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return _error(400, f"the body is not valid JSON: {e}", "invalid_json")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object", "invalid_body")
+        if "kv_transfer_params" in body:
+            return _error(400, "kv_transfer_params is set by the router, not the client", "invalid_parameter")
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        path = request.url.path
+        prefill = await _unless_disconnected(request, self._prefill_phase(path, body, headers))
+        if prefill is None:
+            return Response(status_code=499)
+        if isinstance(prefill, Response):
+            return prefill
+        params = prefill or None
+        decode_body = {**body, "kv_transfer_params": params} if params else body
+        response = await _unless_disconnected(request, self._open_decode(path, decode_body, headers))
+        if response is None:
+            if params:
+                await asyncio.to_thread(_release_remote, params)
+            return Response(status_code=499)
+        if isinstance(response, Response):
+            return response
+        return self._relay(response)
+
+    async def _prefill_phase(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict | Response:
+        """The prefill's kv_transfer_params ({} when the decode instance must prefill), or
+        the prefill instance's client error for the client."""
+        prefill_body = {**body, "max_tokens": 1, "n": 1, "stream": False,
+                        "kv_transfer_params": {"do_remote_decode": True}}
+        for key in ("stream_options", "max_completion_tokens", "min_tokens"):
+            prefill_body.pop(key, None)
+        url = next(self._prefill) + path
+        try:
+            reply = await self.client.post(url, json=prefill_body, headers=headers)
+        except httpx.HTTPError as e:
+            logger.warning("prefill instance %s failed (%s); the decode instance prefills", url, e)
+            return {}
+        if 400 <= reply.status_code < 500:
+            return Response(reply.content, reply.status_code, media_type=reply.headers.get("content-type"))
+        if reply.status_code != 200:
+            logger.warning("prefill instance %s answered %d; the decode instance prefills", url, reply.status_code)
+            return {}
+        return reply.json().get("kv_transfer_params") or {}
+
+    async def _open_decode(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> httpx.Response | Response:
+        """The decode instance's response, headers read and body not yet; the next instance
+        when one cannot be reached."""
+        for _ in range(len(self._decode_urls)):
+            url = self._decode_urls[next(self._decode)] + path
+            req = self.client.build_request("POST", url, json=body, headers=headers)
+            try:
+                return await self.client.send(req, stream=True)
+            except httpx.HTTPError as e:
+                logger.warning("decode instance %s failed: %s", url, e)
+        params = body.get("kv_transfer_params")
+        if params:
+            await asyncio.to_thread(_release_remote, params)
+        return _error(503, "no decode instance could be reached", "decode_unavailable")
+
+    def _relay(self, upstream: httpx.Response) -> Response:
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as e:
+                logger.warning("decode instance failed mid-response: %s", e)
+                if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                    yield ("data: " + json.dumps({"error": {"message": "the decode instance failed mid-response",
+                                                             "type": "server_error", "param": None,
+                                                             "code": "decode_failed"}}) + "\n\n").encode()
+            finally:
+                # Closing before the end (the client left) makes the decode instance abort.
+                await upstream.aclose()
+
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS | {"content-encoding"}}
+        return StreamingResponse(body(), upstream.status_code, headers=headers)
+
+    # -- pass-through ---------------------------------------------------------------------
+
+    async def passthrough(self, request: Request) -> Response:
+        """GET routes (models, health) from the first decode instance that answers."""
+        for url in self._decode_urls:
+            try:
+                reply = await self.client.get(url + request.url.path, headers={
+                    k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS})
+            except httpx.HTTPError:
+                continue
+            return Response(reply.content, reply.status_code, media_type=reply.headers.get("content-type"))
+        return _error(503, "no decode instance could be reached", "decode_unavailable")
+
+
+def _release_remote(params: dict[str, Any]) -> None:
+    """Tell a producer that nobody will pull its blocks (else its lease frees them later)."""
+    try:
+        with socket.create_connection((params["remote_host"], params["remote_port"]), 5.0) as s:
+            send_frame(s, Frame(Kind.RELEASE, params["remote_request_id"]))
+    except (OSError, KeyError, TypeError) as e:
+        logger.info("could not release a prefill's blocks: %s", e)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None (work cancelled) if the client leaves first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def build_disagg_app(config: DisaggConfig) -> Starlette:
+    router = DisaggRouter(config)
+    routes = [Route(p, router.generate, methods=["POST"]) for p in _GENERATION_PATHS]
+    routes += [Route(p, router.passthrough, methods=["GET"]) for p in ("/v1/models", "/health")]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.close()
+
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.router = router
+    return app
+
+
+def add_disagg_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("disaggregated prefill/decode")
+    g.add_argument("--prefill", nargs="+", default=[], metavar="URL",
+                   help="prefill instances (serve --kv-transfer-config with kv_role kv_producer)")
+    g.add_argument("--decode", nargs="+", default=[], metavar="URL",
+                   help="decode instances (kv_role kv_consumer)")
+    g.add_argument("--upstream-timeout", type=float, default=600.0, help="seconds one upstream request may take")
+
+
+def disagg_app_from_args(args: argparse.Namespace) -> Starlette:
+    return build_disagg_app(DisaggConfig(args.prefill, args.decode, args.upstream_timeout))
