@@ -6,7 +6,7 @@ The order (docs/architecture.md draws it):
 
     core -> attention, kernels, model, workload -> spec_decode, structured_output and the
     top-level option/result modules -> worker -> engine -> entrypoints (the server)
-    -> sim, bench -> entrypoints.cli and the package root (they launch everything)
+    -> router -> sim, bench -> entrypoints.cli and the package root (they launch everything)
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ LAYERS: list[set[str]] = [
     {"worker"},
     {"engine"},
     {"entrypoints"},
+    {"router"},
     {"sim", "bench"},
     {"entrypoints.cli", PACKAGE},
 ]

@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
 
+    from ..router.cli import add_router_parser  # argparse only; the web stack loads inside the command
+
+    add_router_parser(sub)
+
     from ..sim.cli import add_doctor_parser, add_kv_parser, add_sim_parser  # pure Python, no torch
 
     add_sim_parser(sub)

@@ -1,0 +1,1 @@
+"""Several pagedserve replicas behind one OpenAI-compatible endpoint (docs/router.md)."""
