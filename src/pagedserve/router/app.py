@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from ..entrypoints.openai.protocol import APIError, validation_error
-from ..entrypoints.openai.serving import sse, until_disconnected
+from ..entrypoints.openai.disconnect import sse, until_disconnected
 from .backends import Backend, BackendMonitor
 from .metrics import RouterMetrics
 from .policies import CacheAwareConfig, Candidate, Picker

@@ -43,7 +43,7 @@ def add_router_server_args(parser: argparse.ArgumentParser) -> None:
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
 
 
-def build_replica_router(args: argparse.Namespace) -> "FastAPI":
+def build_replica_router(args: argparse.Namespace) -> FastAPI:
     """The replica router's app from parsed flags (loads the tokenizer for cache_aware)."""
     from .app import RouterConfig, build_router_app
     from .prompt_keys import PromptKeyer
@@ -58,11 +58,10 @@ def build_replica_router(args: argparse.Namespace) -> "FastAPI":
     )
     keyer = None
     if args.policy == "cache_aware":
-        from ..model.loader import resolve_model
-        from ..model.tokenizer import load_tokenizer
+        from ..model.sources import load_model_tokenizer
 
         parser = None if args.tool_call_parser == "none" else args.tool_call_parser
-        keyer = PromptKeyer(load_tokenizer(resolve_model(args.model).path), parser)
+        keyer = PromptKeyer(load_model_tokenizer(args.model), parser)
     return build_router_app(config, keyer)
 
 

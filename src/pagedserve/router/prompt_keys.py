@@ -14,9 +14,8 @@ from typing import Any
 from ..core.block_hash import extend_block_hashes
 from ..entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, completion_prompts, \
     parse_body
-from ..entrypoints.openai.serving_chat import render_chat_text, tool_chat_tokenizer
 from ..entrypoints.openai.tool_parsers import TOOL_PARSERS
-from ..entrypoints.openai.tools import plan_tools, template_messages
+from ..entrypoints.openai.tools import plan_tools, render_chat_text, template_messages, tool_chat_tokenizer
 from ..model.tokenizer import Tokenizer
 
 

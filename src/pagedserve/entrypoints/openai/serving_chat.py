@@ -18,24 +18,7 @@ from .protocol import APIError, ChatCompletionRequest, bad_request, chat_samplin
 from .serving import (SSE_DONE, ChoiceTracker, OpenAIServing, ResponseMeta, Seat, SSEResponse, collect,
                       engine_failure_event, finite_logprob, sse, until_disconnected)
 from .tool_parsers import StreamingToolParser, ToolParser
-from .tools import ToolPlan, plan_tools, template_messages, uses_tools
-
-
-def tool_chat_tokenizer(tokenizer: Tokenizer, tool_parser: ToolParser | None) -> Tokenizer:
-    """The tokenizer whose template renders conversations with tools: a model whose own
-    template ignores `tools` (SmolLM2's) gets the parser's format instead."""
-    own = tokenizer.chat_template
-    if tool_parser is not None and (own is None or "tools" not in own):
-        return tokenizer.with_chat_template(tool_parser.chat_template())
-    return tokenizer
-
-
-def render_chat_text(tokenizer: Tokenizer, tool_tokenizer: Tokenizer, messages: list[dict[str, Any]],
-                     add_generation_prompt: bool, tools: list[dict[str, Any]] | None) -> str:
-    """The prompt text of a conversation (the router renders it the same way to find
-    which replica caches it); ValueError if the template refuses the messages."""
-    chosen = tool_tokenizer if tools or uses_tools(messages) else tokenizer
-    return chosen.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+from .tools import ToolPlan, plan_tools, render_chat_text, template_messages, tool_chat_tokenizer
 
 
 class ChatServing(OpenAIServing):
