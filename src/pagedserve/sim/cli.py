@@ -139,6 +139,7 @@ def add_cluster_parser(sim_sub) -> None:
     p.add_argument("--attainment", type=float, default=0.9,
                    help="goodput: the highest rate at which this share of requests meets both SLOs")
     p.add_argument("--search-iterations", type=int, default=7)
+    p.add_argument("--max-rate", type=float, default=512.0, help="the goodput search's upper end, req/s")
     p.add_argument("--json", action="store_true")
     add_dataset_args(p)
     p.set_defaults(func=cmd_cluster)
@@ -160,7 +161,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     rows = []
     for layout in layouts:
         if args.request_rate is None:
-            rate = max_goodput(requests, layout, setup, slo, args.attainment, iterations=args.search_iterations)
+            rate = max_goodput(requests, layout, setup, slo, args.attainment, hi=args.max_rate,
+                              iterations=args.search_iterations)
         else:
             rate = args.request_rate
         s = simulate_cluster(requests, layout, setup, rate).summary(slo) if rate > 0 else {}
