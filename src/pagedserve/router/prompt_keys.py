@@ -7,7 +7,6 @@ that tokenise differently never do.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,12 +74,3 @@ class PromptKeyer:
 def _unchecked(_: Any) -> None:
     return None
 
-
-def matched_blocks(hashes: Sequence[bytes], held: Any) -> int:
-    """How many leading blocks of a prompt `held` (a container of hashes) has."""
-    n = 0
-    for h in hashes:
-        if h not in held:
-            break
-        n += 1
-    return n
