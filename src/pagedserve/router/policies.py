@@ -27,7 +27,7 @@ class Candidate:
 
 @dataclass(frozen=True, slots=True)
 class CacheAwareConfig:
-    load_weight: float = 128.0  # prompt tokens one in-flight request is worth
+    load_weight: float = 16.0  # prompt tokens one in-flight request is worth
     balance_abs: int = 4
     balance_rel: float = 1.5
 
