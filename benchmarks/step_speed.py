@@ -16,7 +16,6 @@ per query token). Overhead = step time minus time inside the model's forward.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import REFERENCE_NEW_TOKENS
-from engine_utils import GREEDY, KV_BYTES_PER_BLOCK, assert_all_blocks_free, check_busy_batch, make_llm, seeded
+from engine_utils import KV_BYTES_PER_BLOCK, assert_all_blocks_free, check_busy_batch, make_llm
 from pagedserve import SamplingParams
 from pagedserve.core.request import RequestStatus
 from pagedserve.model.loader import load_model

@@ -6,8 +6,8 @@ The order (docs/architecture.md draws it):
 
     core -> attention, kernels, model, workload -> spec_decode, structured_output and the
     top-level option/result modules -> worker -> distributed (tensor parallelism) -> engine
-    -> entrypoints (the server)
-    -> sim, bench -> entrypoints.cli and the package root (they launch everything)
+    -> entrypoints (the server) -> router -> sim, bench -> entrypoints.cli and the package
+    root (they launch everything)
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ LAYERS: list[set[str]] = [
     {"worker"},
     {"distributed"},
     {"engine"},
-    {"entrypoints", "router"},
+    {"entrypoints"},
+    {"router"},
     {"sim", "bench"},
     {"entrypoints.cli", PACKAGE},
 ]

@@ -48,9 +48,11 @@ def _free_port() -> int:
 
 
 def start_server(log_dir: Path, *flags: str, env: dict[str, str] | None = None,
-                 entry: str = "pagedserve.entrypoints.cli", startup_timeout_s: float = STARTUP_TIMEOUT_S) -> ServerProcess:
-    """Start a server (`python -m entry serve ...`) and wait until /health answers 200."""
-    port = _free_port()
+                 entry: str = "pagedserve.entrypoints.cli", startup_timeout_s: float = STARTUP_TIMEOUT_S,
+                 port: int | None = None) -> ServerProcess:
+    """Start a server (`python -m entry serve ...`) and wait until /health answers 200;
+    `port` restarts one where an earlier one was (default: a free port)."""
+    port = port or _free_port()
     log_path = log_dir / f"server-{port}.log"
     cmd = [sys.executable, "-m", entry, "serve", "--port", str(port),
            *SMALL_SERVER_FLAGS, "--uvicorn-log-level", "warning", *flags]

@@ -45,7 +45,7 @@ PROTECTED = [
     ("POST", "/health/../v1/completions"), ("GET", "/docs"), ("GET", "/no/such/route"),
     ("POST", "/v1%2Fcompletions"), ("POST", "/v1%2fcompletions/"), ("POST", "/tokenize/"), ("POST", "//tokenize"),
     ("GET", "/metrics"), ("GET", "/metrics/"), ("GET", "//metrics"), ("GET", "/version"), ("GET", "/openapi.json"),
-    ("GET", "/health/../metrics"), ("GET", "/health%2F..%2Fmetrics"),
+    ("GET", "/health/../metrics"), ("GET", "/health%2F..%2Fmetrics"), ("GET", "/v1/kv_events"),
 ]
 
 

@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from operator import attrgetter
 
+from .kv_events import KVEventLog
+
 
 @dataclass(slots=True, eq=False)
 class Block:
@@ -33,6 +35,8 @@ class BlockPool:
         # the front and removal from the middle (a prefix hit on a free block).
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[bytes, Block] = {}
+        # Attached while someone outside watches the index (core/kv_events.py).
+        self.events: KVEventLog | None = None
 
     @property
     def num_free(self) -> int:
@@ -52,6 +56,10 @@ class BlockPool:
         """Every block's reference count, indexed by block id (array of C int)."""
         return array("i", map(_REF_CNT, self.blocks))
 
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash in the prefix-cache index (the state a new watcher starts from)."""
+        return list(self._cached)
+
     def cached_block_ids(self) -> array:
         """Ids of the blocks indexed in the prefix cache, in use or free."""
         return array("i", map(BLOCK_ID, self._cached.values()))
@@ -67,6 +75,8 @@ class BlockPool:
             block = popitem(last=False)[1]
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             taken.append(block)
@@ -97,6 +107,8 @@ class BlockPool:
         if block.block_hash is None and block_hash not in self._cached:
             block.block_hash = block_hash
             self._cached[block_hash] = block
+            if self.events is not None:
+                self.events.stored(block_hash)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the free queue, ref counts or index disagree."""

@@ -25,6 +25,7 @@ from ..outputs import RequestMetrics, RequestOutput, TokenLogprobs
 from ..sampling_params import SamplingParams
 from ..spec_decode.metrics import SpecDecodeStats
 from .dashboard_feed import DashboardFeed
+from .kv_event_feed import KVEventFeed
 from .llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -233,6 +234,7 @@ class AsyncEngine:
         self._step_listeners: list[Callable[[StepStats], None]] = [on_step] if on_step is not None else []
         self._feed: DashboardFeed | None = None
         self._on_frame: Callable[[dict], None] | None = None
+        self._kv_feed: KVEventFeed | None = None
         # Constants read before the thread starts; afterwards only the thread touches the engine.
         self.vocab_size: int = engine.loaded.config.vocab_size
         stats = engine.engine_stats().scheduler
@@ -267,6 +269,10 @@ class AsyncEngine:
         request_frame() reach `on_frame` on the event loop."""
         self._feed = feed
         self._on_frame = on_frame
+
+    def attach_kv_events(self, feed: KVEventFeed) -> None:
+        """Before start(): let `feed` drain the block pool's index changes after each iteration."""
+        self._kv_feed = feed
 
     def call_on_thread(self, fn: Callable[[LLMEngine], None]) -> None:
         """Run `fn(engine)` on the engine thread before its next step (settings that
@@ -424,6 +430,7 @@ class AsyncEngine:
     def _thread_main(self) -> None:
         engine = self.engine
         feed = self._feed
+        kv_feed = self._kv_feed
         live: dict[str, _Live] = {}
         num_adds = 0
         try:
@@ -465,6 +472,8 @@ class AsyncEngine:
                     now = time.monotonic()
                     deltas.extend(_delta(out, live, now) for out in outputs)
                 self.snapshot = _snapshot(engine, num_adds)
+                if kv_feed is not None and kv_feed.active:
+                    kv_feed.after_step(engine)
                 if acks or deltas:
                     self._loop.call_soon_threadsafe(self._deliver, acks, deltas)
                 if frame_due:

@@ -106,15 +106,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return run_node(EngineConfig.from_cli_args(args))
 
 
-def cmd_router(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from ..router.disagg import disagg_app_from_args
-
-    uvicorn.run(disagg_app_from_args(args), host=args.host, port=args.port, log_level=args.uvicorn_log_level)
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="An LLM serving engine.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -144,15 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     EngineConfig.add_cli_args(worker)
     worker.set_defaults(func=cmd_worker)
 
-    from ..router.disagg import add_disagg_args
+    from ..router.cli import add_router_parser  # argparse only; the web stack loads inside the command
 
-    router = sub.add_parser("router", help="route requests over several instances (P/D: --prefill/--decode)")
-    router.add_argument("--host", default="127.0.0.1")
-    router.add_argument("--port", type=int, default=8000)
-    router.add_argument("--uvicorn-log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug", "trace"])
-    add_disagg_args(router)
-    router.set_defaults(func=cmd_router)
+    add_router_parser(sub)
 
     from ..sim.cli import add_doctor_parser, add_kv_parser, add_sim_parser  # pure Python, no torch
 

@@ -12,7 +12,6 @@ model's GGUF metadata without the vocabulary arrays.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -23,52 +22,14 @@ from typing import Any
 
 import torch
 
-from ..paths import cache_root
 from .config import QUANTIZATION_CHOICES, ModelConfig
 from .gguf_file import GGUFFile
 from .llama import LlamaModel
-from .registry import DEFAULT_MODEL_NAME, default_model_path
+from .sources import ModelSource, file_digest, gguf_cache_dir, resolve_model  # noqa: F401  (re-exported)
 from .tokenizer import Tokenizer
 from .weights import fuse_gguf_blocks, fuse_hf_tensors, hf_tensors_from_gguf, hf_tensors_from_safetensors
 
 logger = logging.getLogger(__name__)
-
-_CACHE_FORMAT = 1  # bump when the cached layout changes
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    kind: str  # "gguf" or "hf"
-    path: Path
-    name: str  # what /v1/models and logs call it
-
-
-def resolve_model(model: str | os.PathLike | None) -> ModelSource:
-    if model is None or str(model) == "":
-        return ModelSource("gguf", default_model_path(), DEFAULT_MODEL_NAME)
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return ModelSource("gguf", path, path.stem)
-    if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
-        if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-            return ModelSource("hf", path, path.name)
-        if len(ggufs) == 1:
-            return ModelSource("gguf", ggufs[0], ggufs[0].stem)
-    raise FileNotFoundError(
-        f"model {str(model)!r} not found: looked for a .gguf file at {path}, or a folder with config.json and "
-        "*.safetensors (and tokenizer.json), or a folder holding exactly one .gguf file. "
-        "pagedserve never downloads models; omit --model to use the embedded SmolLM2-135M-Instruct."
-    )
-
-
-def file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()[:24]
-
 
 def _metadata_without_vocab(meta: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in meta.items() if not isinstance(v, list) or len(v) < 1024}
@@ -86,8 +47,6 @@ class ConvertedGGUF:
     from_cache: bool
 
 
-def gguf_cache_dir(path: Path) -> Path:
-    return cache_root() / f"v{_CACHE_FORMAT}-{file_digest(path)}"
 
 
 def cached_gguf(cache_dir: Path) -> ConvertedGGUF | None:

@@ -1,1 +1,2 @@
-"""Routers in front of several pagedserve instances."""
+"""Routers in front of several pagedserve instances: replicas behind one endpoint
+(docs/router.md) and disaggregated prefill/decode (docs/disaggregated.md)."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -61,6 +62,7 @@ def add_sim_parser(sub) -> None:
     twin.add_argument("--seed", type=int, default=0)
     twin.add_argument("--json", action="store_true")
     twin.set_defaults(func=cmd_twin)
+    add_cluster_parser(sim_sub)
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
@@ -112,6 +114,75 @@ def cmd_sim(args: argparse.Namespace) -> int:
         print(f"{p:<15}" + "".join(f"{fmt.format(s[key]):>15}" for _, key, fmt in SUMMARY_COLUMNS))
     if args.plot:
         print("plots:", ", ".join(setup["plots"]))
+    return 0
+
+
+def add_cluster_parser(sim_sub) -> None:
+    from .cluster import KV_LINKS
+
+    p = sim_sub.add_parser("cluster", help="colocated replicas vs disaggregated prefill/decode vs TP, on one clock")
+    p.add_argument("--hardware", choices=HARDWARE_NAMES, default="h100-sxm5")
+    p.add_argument("--model", default="llama-3.1-8b", help=f"{', '.join(MODELS)}, or a config.json / .gguf path")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16", help="weight dtype")
+    p.add_argument("--kv-cache-dtype", choices=DTYPES, default=None, help="default: as --dtype")
+    p.add_argument("--layouts", default="4r,2r:tp2,2p2d,1p3d,3p1d",
+                   help="comma-separated: Nr (N colocated replicas), xPyD (x prefill, y decode instances), "
+                        "each with an optional :tpN")
+    p.add_argument("--link", choices=list(KV_LINKS), default="rdma-100", help="what KV transfers cross")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="each instance's chunked budget")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="simulate at this Poisson rate; default: search each layout's goodput")
+    p.add_argument("--slo-ttft-ms", type=float, default=250.0)
+    p.add_argument("--slo-itl-ms", type=float, default=10.0, help="per-request mean time per output token")
+    p.add_argument("--attainment", type=float, default=0.9,
+                   help="goodput: the highest rate at which this share of requests meets both SLOs")
+    p.add_argument("--search-iterations", type=int, default=7)
+    p.add_argument("--max-rate", type=float, default=512.0, help="the goodput search's upper end, req/s")
+    p.add_argument("--json", action="store_true")
+    add_dataset_args(p)
+    p.set_defaults(func=cmd_cluster)
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from ..workload.metrics import SLO
+    from .cluster import ClusterSetup, Layout, max_goodput, simulate_cluster
+
+    layouts = [Layout.parse(x) for x in args.layouts.split(",") if x.strip()]
+    if not layouts:
+        raise ValueError("layouts must name at least one layout")
+    if not 0 < args.attainment <= 1:
+        raise ValueError(f"attainment must be in (0, 1], got {args.attainment}")
+    setup = ClusterSetup(args.model, args.hardware, args.dtype, args.kv_cache_dtype, args.max_num_seqs,
+                         args.max_num_batched_tokens, args.max_model_len, args.link, args.seed)
+    requests = dataset_from_args(args)
+    slo = SLO(args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
+    rows = []
+    for layout in layouts:
+        if args.request_rate is None:
+            rate = max_goodput(requests, layout, setup, slo, args.attainment, hi=args.max_rate,
+                              iterations=args.search_iterations)
+        else:
+            rate = args.request_rate
+        s = simulate_cluster(requests, layout, setup, rate).summary(slo) if rate > 0 else {}
+        rows.append({"layout": layout.name, "num_gpus": layout.num_gpus, "rate": rate, **s})
+    if args.json:
+        print(json.dumps({"setup": dataclasses.asdict(setup), "rows": rows}, indent=2))
+        return 0
+    what = "goodput (req/s at >= {:.0%} SLO attainment)".format(args.attainment) if args.request_rate is None \
+        else f"rate {args.request_rate} req/s"
+    print(f"{args.model} on {args.hardware}, KV over {args.link}; SLO TTFT {args.slo_ttft_ms:g} ms, "
+          f"TPOT {args.slo_itl_ms:g} ms; {args.dataset_name}, {len(requests)} requests; {what}")
+    print(f"{'layout':<10}{'GPUs':>5}{'req/s':>9}{'per GPU':>9}{'attain':>8}{'mean TTFT':>11}{'p90 TTFT':>10}"
+          f"{'mean TPOT':>11}{'KV GiB':>8}")
+    for r in rows:
+        if "slo_attainment" not in r:
+            print(f"{r['layout']:<10}{r['num_gpus']:>5}{0.0:>9.2f}{0.0:>9.2f}   (misses the SLO at any rate)")
+            continue
+        print(f"{r['layout']:<10}{r['num_gpus']:>5}{r['rate']:>9.2f}{r['rate'] / r['num_gpus']:>9.2f}"
+              f"{r['slo_attainment']:>8.2f}{r['mean_ttft_ms']:>11.1f}{r['p90_ttft_ms']:>10.1f}"
+              f"{r['mean_tpot_ms']:>11.2f}{r['kv_transfer_gib']:>8.1f}")
     return 0
 
 

@@ -32,6 +32,7 @@ from ...engine.async_engine import AsyncEngine, EngineDeadError
 from ...engine.llm_engine import LLMEngine
 from .args import ServerConfig
 from .dashboard import install_dashboard
+from .kv_events import install_kv_events
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .middleware import APIKeyMiddleware, BodyLimitMiddleware
 from .openapi import ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse, \
@@ -153,6 +154,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async def version() -> JSONResponse:
         return JSONResponse({"version": __version__})
 
+    install_kv_events(app, async_engine)
     if config.dashboard:
         install_dashboard(app, async_engine, model_names[0], config.dashboard_show_prompts)
     document = build_openapi(app)

@@ -4,35 +4,29 @@ checks, handing requests to the engine, SSE framing and client-disconnect handli
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ...engine.async_engine import AsyncEngine, EngineCrashedError, EngineDeadError, GenerationRequest, RequestDelta, RequestStream, \
     SampleDelta
 from ...outputs import TokenLogprobs
 from ...sampling_params import SamplingParams
+from .disconnect import sse, until_disconnected  # noqa: F401  (the endpoints import them from here)
 from .protocol import APIError, M, RequestLimits, bad_request, parse_body
 
 T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
 # OpenAI-style clients parse logprobs as JSON numbers; -inf is not one.
 _MIN_LOGPROB = -9999.0
-# nginx's "client closed request": logged for requests whose client left first.
-_CLIENT_CLOSED = 499
-
-
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 def finite_logprob(value: float) -> float:
@@ -287,26 +281,6 @@ class OpenAIServing:
         except EngineDeadError as e:
             raise engine_error(e) from None
         return stream
-
-
-async def until_disconnected(request: Request, work: Awaitable[T]) -> T | Response:
-    """Await `work` unless the client leaves first; then cancel it (which aborts its
-    engine requests) and return a 499 no one will read."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request.receive))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        task.cancel()  # no-op when it is done
-    if task.done() and not task.cancelled():
-        return task.result()
-    return Response(status_code=_CLIENT_CLOSED)
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 def engine_error(error: EngineDeadError) -> APIError:

@@ -18,19 +18,14 @@ from .protocol import APIError, ChatCompletionRequest, bad_request, chat_samplin
 from .serving import (SSE_DONE, ChoiceTracker, OpenAIServing, ResponseMeta, Seat, SSEResponse, collect,
                       engine_failure_event, finite_logprob, sse, until_disconnected)
 from .tool_parsers import StreamingToolParser, ToolParser
-from .tools import ToolPlan, plan_tools, template_messages, uses_tools
+from .tools import ToolPlan, plan_tools, render_chat_text, template_messages, tool_chat_tokenizer
 
 
 class ChatServing(OpenAIServing):
     def __init__(self, *args: Any, tool_parser: ToolParser | None = None):
         super().__init__(*args)
         self.tool_parser = tool_parser
-        # Conversations with tools need a template that renders them; a model whose own
-        # template ignores `tools` (SmolLM2's) gets the parser's format instead.
-        self._tool_tokenizer: Tokenizer = self.tokenizer
-        own = self.tokenizer.chat_template
-        if tool_parser is not None and (own is None or "tools" not in own):
-            self._tool_tokenizer = self.tokenizer.with_chat_template(tool_parser.chat_template())
+        self._tool_tokenizer: Tokenizer = tool_chat_tokenizer(self.tokenizer, tool_parser)
 
     async def create(self, request: Request) -> Response:
         arrival, req, meta = await self.read_request(request, ChatCompletionRequest, "chatcmpl")
@@ -84,9 +79,8 @@ class ChatServing(OpenAIServing):
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The prompt's token ids; runs in the thread pool (template rendering is CPU work)."""
-        tokenizer = self._tool_tokenizer if tools or uses_tools(messages) else self.tokenizer
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+            text = render_chat_text(self.tokenizer, self._tool_tokenizer, messages, add_generation_prompt, tools)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         check_prompt_chars(text, self.limits, self.engine.max_context_len, "messages")

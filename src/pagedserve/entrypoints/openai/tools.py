@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ...model.tokenizer import Tokenizer
 from ...structured_output.spec import StructuredOutputs
 from .protocol import APIError, ChatMessage
 from .tool_parsers import ToolParser
@@ -132,3 +133,20 @@ def _template_call(call: Any, where: str) -> dict[str, Any]:
 def uses_tools(messages: list[dict[str, Any]]) -> bool:
     """Whether the conversation has tool turns (so it needs a template that renders them)."""
     return any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+
+
+def tool_chat_tokenizer(tokenizer: Tokenizer, tool_parser: ToolParser | None) -> Tokenizer:
+    """The tokenizer whose template renders conversations with tools: a model whose own
+    template ignores `tools` (SmolLM2's) gets the parser's format instead."""
+    own = tokenizer.chat_template
+    if tool_parser is not None and (own is None or "tools" not in own):
+        return tokenizer.with_chat_template(tool_parser.chat_template())
+    return tokenizer
+
+
+def render_chat_text(tokenizer: Tokenizer, tool_tokenizer: Tokenizer, messages: list[dict[str, Any]],
+                     add_generation_prompt: bool, tools: list[dict[str, Any]] | None) -> str:
+    """The prompt text of a conversation (the router renders it the same way to find
+    which replica caches it); ValueError if the template refuses the messages."""
+    chosen = tool_tokenizer if tools or uses_tools(messages) else tokenizer
+    return chosen.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)

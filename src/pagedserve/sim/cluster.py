@@ -1,0 +1,285 @@
+"""A cluster of simulated instances on one clock: N colocated replicas, xP/yD disaggregated
+prefill and decode instances, each of any tensor-parallel degree. Every instance is the
+real core Scheduler (with its own KV pool) priced by the roofline cost model, as in
+`simulate`; what is new is the traffic between them.
+
+- Colocated (`4r`, `2r:tp2`): a router sends each arrival to the replica with the fewest
+  unfinished requests; the replica prefills (chunked) and decodes it.
+- Disaggregated (`1p3d`, `2p2d:tp2`): the arrival goes to the least-loaded prefill
+  instance as a request for one token (its first token: TTFT ends there). Its KV,
+  prompt_len x the model's KV bytes per token, then crosses the link in
+  bytes / link bandwidth. The decode instance installs it as cached blocks (the
+  prompt's own chained hashes, core/block_hash.py) and admits the request, whose
+  prefix hit covers every full block: it computes only the partial tail and decodes.
+  A transfer waits at the decode instance while its pool has no room for the blocks.
+
+Simplifications, each small beside the effects studied (docs/scale-out-sim.md): the
+prefill side frees its blocks when the prompt is done (in a real system they stay
+until the transfer ends), the transfer does not overlap the prefill layer by layer,
+and links are not shared: each transfer gets the link's whole bandwidth.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import re
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..core import Request, Scheduler
+from ..core.block_hash import extend_block_hashes
+from ..core.outputs import SchedulerOutput
+from ..workload.datasets import BenchRequest
+from ..workload.metrics import SLO, RequestRecord, summarize
+from .cost_model import CostModel
+from .scenario import Scenario, build_scenario
+from .simulator import SAMPLED_TOKEN, arrival_times
+
+# Bytes/s one way between two instances' GPUs: NVLink inside a node (H100/H200, as
+# hardware.py's tensor-parallel link), RDMA NICs between nodes.
+KV_LINKS: dict[str, float] = {
+    "nvlink": 450e9,
+    "rdma-400": 400e9 / 8,
+    "rdma-100": 100e9 / 8,
+}
+_LAYOUT = re.compile(r"^(?:(?P<replicas>\d+)r|(?P<p>\d+)p(?P<d>\d+)d)(?::tp(?P<tp>\d+))?$")
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """`4r` four colocated replicas; `1p3d` one prefill and three decode instances; `:tpN`
+    makes every instance N-way tensor parallel."""
+
+    name: str
+    num_replicas: int = 0
+    num_prefill: int = 0
+    num_decode: int = 0
+    tp: int = 1
+
+    @classmethod
+    def parse(cls, spec: str) -> Layout:
+        m = _LAYOUT.match(spec.strip())
+        if m is None:
+            raise ValueError(f"layout must look like 4r, 2r:tp2, 1p3d or 2p2d:tp2; got {spec!r}")
+        tp = int(m["tp"] or 1)
+        if m["replicas"] is not None:
+            layout = cls(spec.strip(), num_replicas=int(m["replicas"]), tp=tp)
+        else:
+            layout = cls(spec.strip(), num_prefill=int(m["p"]), num_decode=int(m["d"]), tp=tp)
+        if tp < 1 or layout.num_instances < 1 or (layout.disaggregated and not (layout.num_prefill and
+                                                                              layout.num_decode)):
+            raise ValueError(f"layout {spec!r} needs at least one instance of each role and tp >= 1")
+        return layout
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.num_replicas == 0
+
+    @property
+    def num_instances(self) -> int:
+        return self.num_replicas + self.num_prefill + self.num_decode
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_instances * self.tp
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSetup:
+    """What every instance shares besides its tensor-parallel degree."""
+
+    model: str
+    hardware: str
+    dtype: str = "bf16"
+    kv_cache_dtype: str | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    link: str = "rdma-100"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.link not in KV_LINKS:
+            raise ValueError(f"link must be one of {', '.join(KV_LINKS)}; got {self.link!r}")
+
+    def scenario(self, tp: int) -> Scenario:
+        return build_scenario(self.model, self.hardware, self.dtype, self.kv_cache_dtype, tp,
+                              max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                              max_model_len=self.max_model_len)
+
+
+@dataclass(eq=False)
+class _Instance:
+    role: str  # "both", "prefill" or "decode"
+    sched: Scheduler
+    cost: CostModel
+    busy: bool = False
+    # Decode side: KV transfers that arrived while the pool had no room, in order.
+    incoming: deque = field(default_factory=deque)
+
+    @property
+    def load(self) -> int:
+        return len(self.sched.requests) + len(self.incoming)
+
+
+@dataclass(slots=True)
+class ClusterResult:
+    layout: Layout
+    records: list[RequestRecord]
+    duration: float
+    kv_transfer_bytes: int
+    kv_transfer_seconds: float  # summed over transfers
+    num_recomputed: int  # decode-side admissions whose installed blocks were evicted first
+    # Each instance's scheduler, replicas then prefill then decode (for their accounting).
+    schedulers: list[Scheduler] = field(default_factory=list, repr=False)
+
+    def summary(self, slo: SLO) -> dict[str, float]:
+        s = summarize(self.records, self.duration, slo, percentiles=(90,))
+        done = [r for r in self.records if r.token_times]
+        s["slo_attainment"] = sum(slo.met_by(r) for r in done) / len(self.records) if self.records else math.nan
+        s["num_gpus"] = self.layout.num_gpus
+        s["kv_transfer_gib"] = self.kv_transfer_bytes / 2**30
+        s["num_recomputed"] = self.num_recomputed
+        return s
+
+
+def kv_transfer_seconds(num_tokens: int, kv_bytes_per_token: float, link: str) -> float:
+    return num_tokens * kv_bytes_per_token / KV_LINKS[link]
+
+
+def simulate_cluster(requests: Sequence[BenchRequest], layout: Layout, setup: ClusterSetup,
+                     request_rate: float) -> ClusterResult:
+    """Run `requests`, Poisson at `request_rate` (inf: all at once), through `layout`."""
+    sc = setup.scenario(layout.tp)
+
+    def instance(role: str) -> _Instance:
+        return _Instance(role, sc.sim_config("chunked", seed=setup.seed).scheduler(sc.cost), sc.cost)
+
+    replicas = [instance("both") for _ in range(layout.num_replicas)]
+    prefill = [instance("prefill") for _ in range(layout.num_prefill)]
+    decode = [instance("decode") for _ in range(layout.num_decode)]
+    arrivals = arrival_times(requests, request_rate, setup.seed)
+    records = [RequestRecord(arrivals[i], r.prompt_len, r.output_len) for i, r in enumerate(requests)]
+    kv_per_token = sc.cost.kv_bytes_per_token
+    block_size = sc.block_size
+    events: list[tuple[float, int, str, object]] = []
+    seq = itertools.count()
+    pending: dict[int, tuple[_Instance, SchedulerOutput]] = {}
+    totals = {"bytes": 0, "seconds": 0.0, "recomputed": 0}
+    installed: dict[str, int] = {}  # decode request id -> prompt blocks installed for it
+
+    def push(t: float, kind: str, payload: object) -> None:
+        heapq.heappush(events, (t, next(seq), kind, payload))
+
+    def least_loaded(group: list[_Instance]) -> _Instance:
+        return min(group, key=lambda x: x.load)
+
+    def kick(inst: _Instance, t: float) -> None:
+        """Start the instance's next step if it is idle and has work."""
+        if inst.busy or not inst.sched.has_unfinished_requests():
+            return
+        out = inst.sched.schedule()
+        if out.is_empty:
+            raise AssertionError(f"an instance made no progress at t={t:.3f}s with work pending")
+        inst.busy = True
+        key = next(seq)
+        pending[key] = (inst, out)
+        push(t + inst.cost.step_seconds(out), "step", key)
+
+    def try_install(d: _Instance, t: float) -> None:
+        """Admit transferred requests while the decode pool has room for their blocks."""
+        while d.incoming:
+            i = d.incoming[0]
+            req = requests[i]
+            tokens = req.prompt_token_ids + [SAMPLED_TOKEN]
+            num_blocks = req.prompt_len // block_size
+            if not _install_blocks(d.sched, tokens, num_blocks, block_size):
+                return
+            d.incoming.popleft()
+            installed[str(i)] = num_blocks
+            d.sched.add_request(Request(str(i), tokens, req.output_len - 1, arrival_time=t, ignore_eos=True))
+        kick(d, t)
+
+    for i, t in enumerate(arrivals):
+        push(t, "arrive", i)
+    t = 0.0
+    while events:
+        t, _, kind, payload = heapq.heappop(events)
+        if kind == "arrive":
+            i = payload
+            req = requests[i]
+            if layout.disaggregated:
+                target = least_loaded(prefill)
+                target.sched.add_request(Request(str(i), list(req.prompt_token_ids), 1, arrival_time=t,
+                                                 ignore_eos=True))
+            else:
+                target = least_loaded(replicas)
+                target.sched.add_request(Request(str(i), list(req.prompt_token_ids), req.output_len,
+                                                 arrival_time=t, ignore_eos=True))
+            kick(target, t)
+        elif kind == "step":
+            inst, out = pending.pop(payload)
+            inst.busy = False
+            sampled = {r.request_id: [SAMPLED_TOKEN] * r.num_samples for r in out.scheduled if r.num_samples}
+            for u in inst.sched.update(out, sampled):
+                i = int(u.request_id)
+                records[i].token_times.append(t)
+                if u.finished is None:
+                    continue
+                records[i].num_preemptions += u.request.num_preemptions
+                if inst.role == "prefill" and requests[i].output_len > 1:
+                    seconds = kv_transfer_seconds(requests[i].prompt_len, kv_per_token, setup.link)
+                    totals["bytes"] += int(requests[i].prompt_len * kv_per_token)
+                    totals["seconds"] += seconds
+                    push(t + seconds, "transferred", i)
+                elif inst.role == "decode":
+                    blocks = installed.pop(u.request_id)
+                    if u.request.num_cached_tokens is not None and u.request.num_cached_tokens < blocks * block_size:
+                        totals["recomputed"] += 1
+            if inst.role == "decode":
+                try_install(inst, t)
+            kick(inst, t)
+        else:  # a KV transfer reached a decode instance
+            d = least_loaded(decode)
+            d.incoming.append(payload)
+            try_install(d, t)
+    return ClusterResult(layout, records, max(t, 1e-9), totals["bytes"], totals["seconds"], totals["recomputed"],
+                         [x.sched for x in replicas + prefill + decode])
+
+
+def _install_blocks(sched: Scheduler, token_ids: list[int], num_blocks: int, block_size: int) -> bool:
+    """Put a transferred prompt's first `num_blocks` blocks into the pool's prefix cache, as
+    free cached blocks at the back of the eviction queue; False (nothing changed) when the
+    pool has no room. Blocks it holds already are kept, not sent again."""
+    pool = sched.kv_cache.pool
+    hashes = extend_block_hashes([], token_ids, block_size, num_blocks, None)
+    present = [b for h in hashes if (b := pool.lookup(h)) is not None]
+    missing = [h for h in hashes if pool.lookup(h) is None]
+    held = [b for b in present if b.ref_cnt == 0]
+    if len(missing) > pool.num_free - len(held):
+        return False
+    pool.acquire(present)  # keep them from being evicted by the take below
+    blocks = pool.take(len(missing))
+    for block, h in zip(blocks, missing):
+        pool.register(block, h)
+    pool.release(reversed(blocks + present))
+    return True
+
+
+def max_goodput(requests: Sequence[BenchRequest], layout: Layout, setup: ClusterSetup, slo: SLO,
+                attainment: float = 0.9, lo: float = 0.05, hi: float = 512.0, iterations: int = 10) -> float:
+    """The highest Poisson rate (requests/s) at which `attainment` of the requests meet `slo`
+    (DistServe's goodput), by bisection in log space; 0.0 if even `lo` misses."""
+    def ok(rate: float) -> bool:
+        return simulate_cluster(requests, layout, setup, rate).summary(slo)["slo_attainment"] >= attainment
+
+    if not ok(lo):
+        return 0.0
+    if ok(hi):  # the whole range passes: the workload is too light to tell
+        return hi
+    for _ in range(iterations):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
