@@ -73,6 +73,7 @@ def test_the_shards_put_back_together_are_the_weights(size):
     for p in parts:  # every rank's tensors have the local model's shapes
         assert p["layers.0.qkv.weight"].shape == (lq + 2 * lkv, h)
         assert p["embed.weight"].shape == (local.vocab_size, h)
+        assert p["layers.0.gate_up.weight"].shape == (2 * li, h)
     qkv = [p["layers.0.qkv.weight"].split([lq, lkv, lkv]) for p in parts]
     full_q, full_k, full_v = state["layers.0.qkv.weight"].split([q, kv, kv])
     assert torch.equal(torch.cat([x[0] for x in qkv]), full_q)

@@ -197,7 +197,7 @@ def test_least_load_sends_around_a_busy_replica(cluster):
 
 
 def test_a_killed_replica_is_skipped_and_used_again_after_restart(cluster):
-    a, b, router = cluster["a"], cluster["b"], cluster["least_load"]
+    b, router = cluster["b"], cluster["least_load"]
     prompts = [[300 + i] * 40 for i in range(16)]
     with ThreadPoolExecutor(4) as pool:
         replies = [pool.submit(complete, router.url, p, 16) for p in prompts]
