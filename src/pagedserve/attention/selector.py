@@ -11,11 +11,16 @@ _BACKENDS: dict[str, type] = {
     ReferenceBackend.name: ReferenceBackend,
 }
 DEFAULT_BACKEND = CpuPagedAttention.name
+# The GPU backend (attention/triton_backend.py), imported only when asked for: it needs triton.
+TRITON_BACKEND = "triton"
 
 
-def default_backend_name(kernels: str) -> str:
-    """The backend for a resolved kernel path ("native" or "torch"): the native one
-    needs pagedserve's op library, which "native" means is loaded."""
+def default_backend_name(kernels: str, device: str = "cpu") -> str:
+    """The backend for a resolved kernel path ("native" or "torch") on a device: on cuda the
+    Triton kernels; on cpu the native one needs pagedserve's op library, which "native" means
+    is loaded."""
+    if device != "cpu":
+        return TRITON_BACKEND
     return NativePagedAttention.name if kernels == "native" else DEFAULT_BACKEND
 
 
@@ -23,9 +28,20 @@ def backend_names() -> list[str]:
     return sorted(_BACKENDS)
 
 
+def _triton_backend() -> AttentionBackend:
+    try:
+        from .triton_backend import TritonPagedAttention
+    except ImportError as e:
+        raise ValueError(f"attention backend 'triton' cannot be loaded ({e}); it needs the triton package and "
+                         "pagedserve.attention.triton_backend") from e
+    return TritonPagedAttention()
+
+
 def get_backend(name: str | None = None) -> AttentionBackend:
     """A new backend instance; `None` picks the pure-torch default (the fast CPU one)."""
     key = DEFAULT_BACKEND if name is None else name
+    if key == TRITON_BACKEND:
+        return _triton_backend()
     if key not in _BACKENDS:
         raise ValueError(f"attention backend must be one of {backend_names()}, got {name!r}")
     return _BACKENDS[key]()

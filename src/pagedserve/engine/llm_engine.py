@@ -30,10 +30,13 @@ from ..sampling_state import SamplingState
 from ..spec_decode.metrics import SpecDecodeStats
 from ..structured_output.backend import Matcher
 from ..structured_output.manager import StructuredOutputManager
+from ..model.placement import place_model
 from ..worker.draft_model import draft_kv, load_draft
 from ..worker.model_runner import ModelRunner, RunnerOutput
 from ..worker.sampler import LogprobsTensors
 from .detokenizer import IncrementalDetokenizer
+from .device_memory import GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS, device_memory_plan, kv_dtype_bytes
+from .placement import resolve_placement
 from .step_timing import step_time_model
 
 logger = logging.getLogger(__name__)
@@ -80,11 +83,13 @@ class _Tracked:
         return self.num_finished == self.params.n
 
 
-def _plan_kv_cache(config: EngineConfig, target: ModelConfig, draft: LoadedModel | None) -> KVCachePlan:
-    """The pool that --kv-cache-memory holds beside the draft's scratch; ValueError if not one block."""
-    memory = config.kv_cache_memory or default_kv_cache_memory()
+def _plan_kv_cache(config: EngineConfig, target: ModelConfig, draft: LoadedModel | None,
+                   memory: int | None = None, width: int | None = None) -> KVCachePlan:
+    """The pool that --kv-cache-memory (or `memory`, a device plan's pool) holds beside the draft's
+    scratch, at `width` bytes per K/V element; ValueError if not one block."""
+    memory = memory or config.kv_cache_memory or default_kv_cache_memory()
     spec = config.speculative_config
-    width = KV_CACHE_DTYPE_BYTES[config.kv_cache_dtype]
+    width = width or KV_CACHE_DTYPE_BYTES[config.kv_cache_dtype]
     plan = plan_kv_cache(memory, config.block_size, target.kv_bytes_per_token(width),
                          draft_kv(spec, draft.config, target, config.max_num_seqs, width) if draft is not None else None)
     if plan.num_blocks < 1:
@@ -99,24 +104,38 @@ class LLMEngine:
         torch.set_num_threads(config.num_threads or default_num_threads())
         torch.manual_seed(config.seed)
         start = time.perf_counter()
-        self.loaded = loaded or load_model(config.model, quantization=config.quantization)
+        self.device = placement = resolve_placement(config)
+        if placement.on_gpu and config.max_num_batched_tokens is None and config.latency_target() is None:
+            config = self.config = replace(config, max_num_batched_tokens=GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        self.loaded = loaded or load_model(config.model, quantization=placement.load_quantization,
+                                           pack=None if placement.keeps_loaded_model else False)
         self.tokenizer = self.loaded.tokenizer
-        self.kernels = resolve_kernels(config.kernels)
+        self.kernels = "torch" if placement.on_gpu else resolve_kernels(config.kernels)
         self.loaded.model.set_kernels(self.kernels)
         mc = self.loaded.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        if not placement.keeps_loaded_model:
+            place_model(self.loaded.model, placement.device, placement.torch_dtype, config.quantization,
+                        max_positions=self.max_model_len)
         spec = config.speculative_config
         draft = load_draft(self.loaded, spec, self.kernels)
-        plan = _plan_kv_cache(config, mc, draft)
+        pool = None
+        if placement.on_gpu:
+            memory_plan = device_memory_plan(config, mc, torch.cuda.mem_get_info(placement.device)[1],
+                                             placement.dtype, config.max_num_batched_tokens)
+            pool = memory_plan.kv_pool_bytes
+        plan = _plan_kv_cache(config, mc, draft, pool, kv_dtype_bytes(config.kv_cache_dtype, placement.dtype))
         sched_config = config.scheduler_config(self.max_model_len)
         self.scheduler = Scheduler(sched_config, config.cache_config(plan.num_blocks),
                                    self._step_budget(sched_config.max_num_batched_tokens))
         self.runner = ModelRunner(
             self.loaded.model, plan, config.max_num_seqs, self.max_model_len,
             eos_token_ids=tuple(self.tokenizer.stop_token_ids),
-            attention_backend=config.attention_backend or default_backend_name(self.kernels),
+            attention_backend=config.attention_backend or default_backend_name(self.kernels, placement.device.type),
             speculative=spec, draft=draft.model if draft is not None else None,
-            kv_cache_dtype=config.kv_cache_dtype,
+            kv_cache_dtype=config.kv_cache_dtype, device=placement.device,
+            decode_graphs="cuda" if placement.on_gpu and not config.enforce_eager else None,
+            max_cudagraph_batch=config.max_cudagraph_batch, model_dtype=placement.torch_dtype,
         )
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec is not None else None
         self.structured_outputs = StructuredOutputManager(self.tokenizer, mc.vocab_size)
