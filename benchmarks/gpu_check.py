@@ -197,7 +197,8 @@ def decode_section(device: torch.device, configs: tuple[str, ...], batches: tupl
     for name in configs:
         for quant in ("none", "fp8"):
             model = random_model(llama_config(name), device, dtype, quant)
-            out[f"{name}-{'bf16' if quant == 'none' else 'fp8'}"] = decode_times(
+            label = "fp8" if quant == "fp8" else {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+            out[f"{name}-{label}"] = decode_times(
                 model, device, batches, context, backend, iters=iters)
             del model
             if device.type == "cuda":
@@ -218,17 +219,20 @@ KERNEL_SEQS = [(1, 1), (1, 15), (1, 16), (1, 17), (1, 300), (7, 40), (33, 33), (
 
 
 @torch.inference_mode()
-def kernel_check(device: torch.device, backend: str) -> list[dict]:
+def kernel_check(device: torch.device, backend: str, cases: list[tuple[int, int, int, int]] = KERNEL_CASES,
+                 seqs: list[tuple[int, int]] = KERNEL_SEQS,
+                 kv_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)) -> list[dict]:
     """The backend on `device` vs the reference (CPU, fp32) over the same cached values."""
     results = []
     staging = DeviceInputs(device)
-    for kv_dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
-        for h, kvh, d, bs in KERNEL_CASES:
-            q, k, v, cache, meta = random_step(KERNEL_SEQS, h, kvh, d, bs, seed=h + d + bs)
+    for kv_dtype in kv_dtypes:
+        for h, kvh, d, bs in cases:
+            q, k, v, cache, meta = random_step(seqs, h, kvh, d, bs, seed=h + d + bs)
             cache = to_cache_dtype(cache, kv_dtype)
             scale = d**-0.5
-            # The device takes q/k/v at the model's dtype; the reference reads the same rounded values.
-            q_dtype = torch.float32 if kv_dtype == torch.float32 else torch.bfloat16
+            # On cuda q/k/v come at the model's dtype (bf16 beside a narrow cache); the reference
+            # reads the same rounded values. The CPU path computes in fp32 throughout.
+            q_dtype = torch.bfloat16 if device.type == "cuda" and kv_dtype != torch.float32 else torch.float32
             q, k, v = (x.to(q_dtype).float() for x in (q, k, v))
             expected = ReferenceBackend().forward(q, k, v, cache.clone(), meta, scale)
             _, _, _, dev_meta = staging.send(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
@@ -274,10 +278,11 @@ def teacher_forced_logprobs(llm: LLM, sequences: list[list[int]]) -> list[torch.
     return out
 
 
-def greedy_section(reference: LLM, candidate: LLM, max_tokens: int = REFERENCE_NEW_TOKENS) -> dict:
+def greedy_section(reference: LLM, candidate: LLM, max_tokens: int = REFERENCE_NEW_TOKENS,
+                   texts: list[str] = REFERENCE_TEXTS) -> dict:
     """Greedy agreement of `candidate` with the fp32 `reference` under the margin rule."""
     tok = reference.tokenizer
-    prompts = [tok.encode(t) for t in REFERENCE_TEXTS]
+    prompts = [tok.encode(t) for t in texts]
     ref = greedy_runs(reference, prompts, max_tokens, logprobs=2)
     got = greedy_runs(candidate, prompts, max_tokens, logprobs=None)
     sequences = [p + r.token_ids for p, r in zip(prompts, ref)]

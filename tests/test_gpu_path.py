@@ -205,8 +205,8 @@ def test_padded_graph_replays_give_the_eager_engines_tokens(loaded):
     assert got == expected
     stats = runner.graphs.stats
     # Batches of 11 down to 1 as requests finish pad to 16, 8, 4, 2; the tables widened past 1 block.
-    assert sum(stats.replays.values()) > 10 and set(stats.replays) - {1, 2, 4, 8, 16} == set()
-    assert any(size > n for size in stats.replays for n in range(1, 12) if size == bucket_for(n, runner.graphs.sizes))
+    assert sum(stats.replays.values()) > 10 and set(stats.replays) <= {1, 2, 4, 8, 16}
+    assert stats.replays[16] > 0  # 9 to 11 running rows padded to 16
     assert stats.invalidations >= 2 and stats.eager["prefill or speculative rows"] >= 1
     assert_all_blocks_free(graphed)
 

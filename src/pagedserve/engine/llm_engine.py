@@ -16,6 +16,7 @@ import torch
 
 from ..attention.selector import default_backend_name
 from ..config import EngineConfig, default_kv_cache_memory, default_num_threads
+from ..core.config import chunks_prefill
 from ..core.kv_plan import KV_CACHE_DTYPE_BYTES, KVCachePlan, plan_kv_cache
 from ..core.outputs import SchedulerOutput, SchedulerStats
 from ..core.request import Request, RequestStatus
@@ -104,8 +105,9 @@ class LLMEngine:
         torch.set_num_threads(config.num_threads or default_num_threads())
         torch.manual_seed(config.seed)
         start = time.perf_counter()
-        self.device = placement = resolve_placement(config)
-        if placement.on_gpu and config.max_num_batched_tokens is None and config.latency_target() is None:
+        self.placement = placement = resolve_placement(config)
+        if (placement.on_gpu and config.max_num_batched_tokens is None and config.latency_target() is None
+                and chunks_prefill(config.policy, config.enable_chunked_prefill)):
             config = self.config = replace(config, max_num_batched_tokens=GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS)
         self.loaded = loaded or load_model(config.model, quantization=placement.load_quantization,
                                            pack=None if placement.keeps_loaded_model else False)
@@ -122,7 +124,7 @@ class LLMEngine:
         pool = None
         if placement.on_gpu:
             memory_plan = device_memory_plan(config, mc, torch.cuda.mem_get_info(placement.device)[1],
-                                             placement.dtype, config.max_num_batched_tokens)
+                                             placement.dtype, config.effective_max_num_batched_tokens(self.max_model_len))
             pool = memory_plan.kv_pool_bytes
         plan = _plan_kv_cache(config, mc, draft, pool, kv_dtype_bytes(config.kv_cache_dtype, placement.dtype))
         sched_config = config.scheduler_config(self.max_model_len)
