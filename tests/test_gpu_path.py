@@ -259,6 +259,7 @@ def test_fp8_linear_through_scaled_mm_on_cpu_equals_the_dequantised_product(gran
     torch.testing.assert_close(layer(x), x @ layer.dequantized_weight().t() + bias, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # torch's CPU _scaled_mm is a reference kernel (~1 GFLOP/s here)
 def test_fp8_engine_on_cpu_mostly_agrees_with_fp32_and_frees_its_blocks(loaded):
     prompts = [loaded.tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):")]
     fp32 = make_llm(loaded)
@@ -268,7 +269,7 @@ def test_fp8_engine_on_cpu_mostly_agrees_with_fp32_and_frees_its_blocks(loaded):
     assert not isinstance(linears[-1][1], Fp8Linear)
     ref = [o.outputs[0].token_ids for o in fp32.generate(prompts, GREEDY, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in fp8.generate(prompts, GREEDY, use_tqdm=False)]
-    # Greedy tokens before the first difference (measured 2026-12-01: see docs/gpu.md).
+    # Greedy tokens before the first difference; the bound is loose, not a measured figure.
     agree = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r)) for r, g in zip(ref, got)]
     assert min(agree) >= 4, agree
     assert_all_blocks_free(fp8)
