@@ -37,16 +37,8 @@ def hf_model(gguf_path):
     return model
 
 
-REFERENCE_TEXTS = [
-    "Hi",
-    "The capital of France is",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n",
-    "<|im_start|>user\nWhat is 17 * 23?<|im_end|>\n<|im_start|>assistant\n",
-    "Once upon a time, in a small village nestled between two mountains, there lived a",
-    "日本の首都は東京です。フランスの首都は",
-    "1, 2, 3, 5, 8, 13, 21, 34,",
-]
-REFERENCE_NEW_TOKENS = 32
+# The held-in prompts, in a module of their own so scripts without pytest read them too.
+from reference_prompts import REFERENCE_NEW_TOKENS, REFERENCE_TEXTS  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ from .core.step_budget import LatencyTarget
 from .core.validation import is_int
 from .kernels import KERNEL_CHOICES
 from .model.config import QUANTIZATION_CHOICES
+from .model.device import DEVICE_CHOICES, DTYPE_CHOICES, check_device_options
 from .spec_decode.config import SpeculativeConfig
 
 # Default token budget per step on a CPU. A step costs about 2 x params FLOPs per
@@ -69,11 +70,21 @@ class EngineConfig:
     ttft_target_ms: float | None = field(default=None, metadata={
         "help": "with a latency target: how long a step may take when no decode is running (default: up to the cap)"})
     quantization: str = field(default="none", metadata={
-        "help": "linear-layer weights: none (fp32); q8_0, q4_0, q4_1 (llama.cpp blocks, quantised at load); "
-                "gguf (a GGUF's own blocks, not inflated to fp32). Needs the native kernels"})
+        "help": "linear-layer weights: none (--dtype); q8_0, q4_0, q4_1 (llama.cpp blocks, quantised at load) or "
+                "gguf (a GGUF's own blocks, not inflated to fp32), CPU-only, on the native kernels; "
+                "fp8 (e4m3 with per-channel scales, through torch._scaled_mm)"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "KV cache elements: auto (fp32), fp32, fp16 (half the bytes), fp8_e4m3 or fp8_e5m2 (a quarter); "
                 "narrower ones are converted to fp32 as attention reads them"})
+    device: str = field(default="auto", metadata={
+        "help": "cpu, cuda, or auto (cuda when torch sees one); see docs/gpu.md"})
+    dtype: str = field(default="auto", metadata={
+        "help": "weights and activations: auto (float32 on cpu, bfloat16 on cuda), float32, bfloat16, float16 (cuda)"})
+    enforce_eager: bool = field(default=False, metadata={"help": "cuda: run decode steps eagerly, no CUDA graphs"})
+    max_cudagraph_batch: int | None = field(default=None, metadata={
+        "help": "cuda: the largest decode batch captured in a CUDA graph (default min(max_num_seqs, 256))"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "cuda: share of the device's memory for weights, activations and the KV pool (without --kv-cache-memory)"})
     num_threads: int | None = field(default=None, metadata={
         "help": "torch threads (per tensor-parallel rank); default: all cores, shared among a node's ranks"})
     seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
@@ -102,12 +113,19 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
-        if self.quantization != "none" and self.kernels == "torch":
+        if self.device != "auto":
+            check_device_options(self.device, self.dtype, self.quantization, self.kernels)
+        elif self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.quantization not in ("none", "fp8") and self.kernels == "torch":
             raise ValueError(f"quantization={self.quantization!r} runs on the native kernels; kernels='torch' has none")
         # Scheduler and cache fields are validated by core's SchedulerConfig / CacheConfig
         # when the engine builds them; only the engine's own fields are checked here.
         self._check_parallel()
-        for name in ("kv_cache_memory", "num_threads"):
+        if (isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))
+                or not 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name in ("kv_cache_memory", "num_threads", "max_cudagraph_batch"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -195,11 +213,12 @@ class EngineConfig:
             elif f.name in ("model", "attention_backend", "speculative_config", "distributed_init_method",
                             "kv_transfer_config"):
                 parser.add_argument(flag, type=str, default=f.default, help=help_text)
-            elif f.name in ("itl_target_ms", "ttft_target_ms"):
-                parser.add_argument(flag, type=float, default=None, help=help_text)
-            elif f.name in ("policy", "scheduling_policy", "kernels", "quantization", "kv_cache_dtype"):
+            elif f.name in ("itl_target_ms", "ttft_target_ms", "gpu_memory_utilization"):
+                parser.add_argument(flag, type=float, default=f.default, help=help_text)
+            elif f.name in ("policy", "scheduling_policy", "kernels", "quantization", "kv_cache_dtype", "device", "dtype"):
                 choices = {"policy": POLICIES, "scheduling_policy": SCHEDULING_POLICIES, "kernels": KERNEL_CHOICES,
-                           "quantization": QUANTIZATION_CHOICES, "kv_cache_dtype": KV_CACHE_DTYPES}[f.name]
+                           "quantization": QUANTIZATION_CHOICES, "kv_cache_dtype": KV_CACHE_DTYPES,
+                           "device": DEVICE_CHOICES, "dtype": DTYPE_CHOICES}[f.name]
                 parser.add_argument(flag, choices=choices, default=f.default, help=help_text)
             else:
                 parser.add_argument(flag, type=int, default=f.default, help=help_text)

@@ -13,11 +13,17 @@ _BACKENDS: dict[str, type] = {
     TritonPagedAttention.name: TritonPagedAttention,
 }
 DEFAULT_BACKEND = CpuPagedAttention.name
+# The GPU backend. Its module imports without triton; building one without it is a
+# ValueError that says why.
+TRITON_BACKEND = TritonPagedAttention.name
 
 
-def default_backend_name(kernels: str) -> str:
-    """The backend for a resolved kernel path ("native" or "torch"): the native one
-    needs pagedserve's op library, which "native" means is loaded."""
+def default_backend_name(kernels: str, device: str = "cpu") -> str:
+    """The backend for a resolved kernel path ("native" or "torch") on a device: on cuda the
+    Triton kernels; on cpu the native one needs pagedserve's op library, which "native" means
+    is loaded."""
+    if device != "cpu":
+        return TRITON_BACKEND
     return NativePagedAttention.name if kernels == "native" else DEFAULT_BACKEND
 
 

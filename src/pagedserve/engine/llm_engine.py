@@ -16,6 +16,7 @@ import torch
 
 from ..attention.selector import default_backend_name
 from ..config import EngineConfig, default_kv_cache_memory
+from ..core.config import chunks_prefill
 from ..core.kv_plan import KV_CACHE_DTYPE_BYTES, KVCachePlan, plan_kv_cache
 from ..core.outputs import SchedulerOutput, SchedulerStats
 from ..core.pd_connector import PagedServeConnectorScheduler
@@ -28,6 +29,7 @@ from ..kv_transfer.base import KVConnectorWorker
 from ..kv_transfer.factory import make_kv_connector_worker
 from ..model.config import ModelConfig
 from ..model.loader import LoadedModel, load_model
+from ..model.placement import place_model
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 from ..sampling_params import SamplingParams
 from ..sampling_state import SamplingState
@@ -38,6 +40,8 @@ from ..worker.draft_model import draft_kv, load_draft
 from ..worker.model_runner import ModelRunner, RunnerOutput
 from ..worker.sampler import LogprobsTensors
 from .detokenizer import IncrementalDetokenizer
+from .device_memory import GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS, device_memory_plan, kv_dtype_bytes
+from .placement import resolve_placement
 from .step_timing import step_time_model
 
 logger = logging.getLogger(__name__)
@@ -92,11 +96,13 @@ class _Tracked:
         return self.num_finished == self.params.n
 
 
-def _plan_kv_cache(config: EngineConfig, target: ModelConfig, draft: LoadedModel | None) -> KVCachePlan:
-    """The pool that --kv-cache-memory holds beside the draft's scratch; ValueError if not one block."""
-    memory = config.kv_cache_memory or default_kv_cache_memory()
+def _plan_kv_cache(config: EngineConfig, target: ModelConfig, draft: LoadedModel | None,
+                   memory: int | None = None, width: int | None = None) -> KVCachePlan:
+    """The pool that --kv-cache-memory (or `memory`, a device plan's pool) holds beside the draft's
+    scratch, at `width` bytes per K/V element; ValueError if not one block."""
+    memory = memory or config.kv_cache_memory or default_kv_cache_memory()
     spec = config.speculative_config
-    width = KV_CACHE_DTYPE_BYTES[config.kv_cache_dtype]
+    width = width or KV_CACHE_DTYPE_BYTES[config.kv_cache_dtype]
     plan = plan_kv_cache(memory, config.block_size, target.kv_bytes_per_token(width),
                          draft_kv(spec, draft.config, target, config.max_num_seqs, width) if draft is not None else None)
     if plan.num_blocks < 1:
@@ -121,27 +127,46 @@ class LLMEngine:
         torch.set_num_threads(config.rank_num_threads())
         torch.manual_seed(config.seed)
         start = time.perf_counter()
-        if loaded is not None and config.tensor_parallel_size > 1:
-            raise ValueError("tensor_parallel_size > 1 loads each rank's shard itself; pass no loaded model")
+        self.placement = placement = resolve_placement(config)
+        if (placement.on_gpu and config.max_num_batched_tokens is None and config.latency_target() is None
+                and chunks_prefill(config.policy, config.enable_chunked_prefill)):
+            config = self.config = replace(config, max_num_batched_tokens=GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        if config.tensor_parallel_size > 1:
+            if loaded is not None:
+                raise ValueError("tensor_parallel_size > 1 loads each rank's shard itself; pass no loaded model")
+            if placement.on_gpu:
+                raise ValueError("tensor_parallel_size > 1 runs on the CPU (gloo) only; use device='cpu'")
         # Rank 0 of tensor parallelism is this process; the executor starts the other ranks.
         self.tp = TensorParallelExecutor(config) if config.tensor_parallel_size > 1 else None
         try:
-            self._build(config, loaded or (self.tp.loaded if self.tp is not None else
-                                           load_model(config.model, quantization=config.quantization)), start)
+            self._build(config, loaded or (self.tp.loaded if self.tp is not None else load_model(
+                config.model, quantization=placement.load_quantization,
+                pack=None if placement.keeps_loaded_model else False)), start)
         except BaseException:
             self.shutdown()
             raise
 
     def _build(self, config: EngineConfig, loaded: LoadedModel, start: float) -> None:
+        placement = self.placement
         self.loaded = loaded
         self.tokenizer = self.loaded.tokenizer
-        self.kernels = resolve_kernels(config.kernels)
+        self.kernels = "torch" if placement.on_gpu else resolve_kernels(config.kernels)
         self.loaded.model.set_kernels(self.kernels)
         mc = self.loaded.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        if not placement.keeps_loaded_model:
+            place_model(self.loaded.model, placement.device, placement.torch_dtype, config.quantization,
+                        max_positions=self.max_model_len)
         spec = config.speculative_config
         draft = load_draft(self.loaded, spec, self.kernels)
-        plan = _plan_kv_cache(config, self.loaded.model.config, draft)  # a rank's share under TP
+        pool = None
+        if placement.on_gpu:
+            memory_plan = device_memory_plan(config, mc, torch.cuda.mem_get_info(placement.device)[1],
+                                             placement.dtype, config.effective_max_num_batched_tokens(self.max_model_len))
+            pool = memory_plan.kv_pool_bytes
+        # The model's own config is a rank's share under tensor parallelism.
+        plan = _plan_kv_cache(config, self.loaded.model.config, draft, pool,
+                              kv_dtype_bytes(config.kv_cache_dtype, placement.dtype))
         if self.tp is not None:
             self.tp.start(plan.num_blocks, config.block_size, config.kv_cache_dtype)
         sched_config = config.scheduler_config(self.max_model_len)
@@ -151,9 +176,11 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.loaded.model, plan, config.max_num_seqs, self.max_model_len,
             eos_token_ids=tuple(self.tokenizer.stop_token_ids),
-            attention_backend=config.attention_backend or default_backend_name(self.kernels),
+            attention_backend=config.attention_backend or default_backend_name(self.kernels, placement.device.type),
             speculative=spec, draft=draft.model if draft is not None else None,
             kv_cache_dtype=config.kv_cache_dtype, peers=self.tp, kv_connector=self.kv_connector,
+            device=placement.device, decode_graphs="cuda" if placement.on_gpu and not config.enforce_eager else None,
+            max_cudagraph_batch=config.max_cudagraph_batch, model_dtype=placement.torch_dtype,
         )
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec is not None else None
         self.structured_outputs = StructuredOutputManager(self.tokenizer, mc.vocab_size)

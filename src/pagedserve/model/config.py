@@ -19,8 +19,9 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # Weight-only formats with a native kernel, by GGML type id (gguf.GGMLQuantizationType),
 # the id the native op takes.
 QTYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
-# --quantization: none = fp32; gguf = a GGUF file's own blocks where a kernel reads them.
-QUANTIZATION_CHOICES = ("none", *QTYPES, "gguf")
+# --quantization: none = --dtype; gguf = a GGUF file's own blocks where a kernel reads them;
+# fp8 = e4m3 weights with per-channel scales, made when the model is placed (model/fp8.py).
+QUANTIZATION_CHOICES = ("none", *QTYPES, "gguf", "fp8")
 
 
 # Far above any Llama-family model (Llama 3 405B: hidden 16384, 126 layers, 128k context)

@@ -28,6 +28,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("freq_divisors", torch.ones(config.head_dim // 2), persistent=False)
         self._table: torch.Tensor | None = None
         self._table_len = config.max_position_embeddings
+        # Set by place(): the table covers every position the engine can reach, so a step
+        # never reads positions.max() back (a device sync, and illegal in a CUDA graph).
+        self._placed = False
 
     def set_freq_divisors(self, divisors: torch.Tensor) -> None:
         self.freq_divisors = divisors.float()
@@ -35,13 +38,18 @@ class RotaryEmbedding(nn.Module):
 
     def _build(self, length: int) -> torch.Tensor:
         exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
-        inv_freq = 1.0 / (self.theta**exponent) / self.freq_divisors.double()
+        inv_freq = 1.0 / (self.theta**exponent) / self.freq_divisors.double().cpu()
         angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)
         return torch.cat([angles.cos(), angles.sin()], dim=-1).float()  # [L, head_dim]
 
+    def place(self, device: torch.device, dtype: torch.dtype, length: int) -> None:
+        """Tabulate positions 0 .. length - 1 once on `device`, in the activations' dtype."""
+        self._table = self._build(length).to(device=device, dtype=dtype)
+        self._placed = True
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for each position, shaped [T, 1, head_dim/2] to broadcast over heads."""
-        if self._table is None or (positions.numel() and int(positions.max()) >= self._table.shape[0]):
+        if not self._placed and (self._table is None or (positions.numel() and int(positions.max()) >= self._table.shape[0])):
             needed = int(positions.max()) + 1 if positions.numel() else 0
             self._table = self._build(max(self._table_len, needed))
         cs = self._table[positions].unsqueeze(1)

@@ -32,11 +32,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..core.outputs import SchedulerOutput
+from ..core.memory_plan import weight_bytes
 from ..core.step_budget import SHORT_QUERY_LEN, StepTimeModel
 from ..core.validation import is_int
 from ..model.config import ModelConfig
 from .hardware import ALLREDUCE_LATENCY_S, Hardware, MeasuredRates, rate_at
-from .models import weight_params
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
 DTYPES = tuple(DTYPE_BYTES)
@@ -122,7 +122,7 @@ class CostModel:
         # GEMM runs at the BF16 rate).
         self.head_dtype = "bf16" if weight_dtype == "fp8" else weight_dtype
         body_bytes = (m.num_params - head) * DTYPE_BYTES[weight_dtype]
-        self.weight_bytes = body_bytes + (weight_params(m) - m.num_params + head) * DTYPE_BYTES[self.head_dtype]
+        self.weight_bytes = weight_bytes(m, DTYPE_BYTES[weight_dtype], DTYPE_BYTES[self.head_dtype])
         # The embedding table is gathered, not read.
         self._read_bytes = (body_bytes + head * DTYPE_BYTES[self.head_dtype]) / tp
         self._body_flops_per_token = 2 * (m.num_params - head)

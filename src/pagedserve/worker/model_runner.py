@@ -12,6 +12,7 @@ and only the accepted tokens plus the target's own are returned.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -32,6 +33,8 @@ from ..model.llama import LlamaModel
 from ..spec_decode.config import SpeculativeConfig
 from ..spec_decode.ngram import NgramProposer
 from .block_table import BlockTableRows
+from .cuda_graphs import DecodeGraphRunner, capture_sizes
+from .device_inputs import DeviceInputs
 from .draft_model import DraftModelProposer
 from .kv_cache import allocate_kv_caches, copy_blocks, kv_cache_torch_dtype
 from .prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs, plan_prompt_logprobs
@@ -77,16 +80,32 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         peers: StepPeers | None = None,
         kv_connector: KVConnectorWorker | None = None,
+        device: torch.device | None = None,
+        decode_graphs: str | None = None,
+        max_cudagraph_batch: int | None = None,
+        model_dtype: torch.dtype = torch.float32,
     ):
+        """`device`: where the model's weights are (default cpu). `decode_graphs`: None (eager),
+        "cuda" (CUDA graphs) or "eager" (the same bucketing and padding, replayed eagerly: tests).
+        `model_dtype`: the activations' dtype, which kv_cache_dtype "auto" stores."""
         self.model = model
         self.peers = peers
+        self.device = device = device or torch.device("cpu")
         self.block_size = bs = kv_plan.block_size
         self_layers = speculative.self_draft_layers if speculative is not None else None
         # Scratch blocks (ids num_blocks and up) belong to the runner, not the pool: a
         # self-draft writes its unverified positions there, in the layers it runs.
         num_scratch = kv_plan.num_scratch_blocks if self_layers is not None else 0
-        dtype = kv_cache_torch_dtype(kv_cache_dtype)
-        self.kv_caches = allocate_kv_caches(model, kv_plan.num_blocks, bs, dtype, num_scratch, self_layers or 0)
+        if decode_graphs is not None and speculative is not None and speculative.method != "ngram":
+            logger.info("decode graphs off: a draft model's steps run eagerly beside the target's")
+            decode_graphs = None
+        # Decode graphs pad their batch with rows in a dummy block past the pool (id num_blocks).
+        num_dummy = 1 if decode_graphs is not None else 0
+        dtype = kv_cache_torch_dtype(kv_cache_dtype, auto=model_dtype)
+        self.kv_caches = allocate_kv_caches(model, kv_plan.num_blocks + num_dummy, bs, dtype, num_scratch,
+                                            self_layers or 0, device=device)
+        # One pinned host-to-device copy per step off the CPU; on CPU the inputs stay as built.
+        self._device_inputs = DeviceInputs(device) if device.type != "cpu" else None
         self.backend = get_backend(attention_backend)
         # The worker half of a KV connector (disaggregated prefill/decode), or None.
         self.kv_connector = kv_connector
@@ -110,6 +129,18 @@ class ModelRunner:
                 shares_target_cache=self_layers is not None,
             )
             self._propose = self._drafter.propose
+        self.graphs: DecodeGraphRunner | None = None
+        if decode_graphs is not None:
+            self.graphs = DecodeGraphRunner(
+                self.decode_forward, capture_sizes(max_num_seqs, max_cudagraph_batch), self.block_tables.table.shape[1],
+                bs, dummy_block=kv_plan.num_blocks, device=device, mode=decode_graphs)
+            self.graphs.capture_all()
+
+    def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                        logits_indices: torch.Tensor) -> torch.Tensor:
+        """The forward a decode graph captures (or, eager, reruns) on its static buffers."""
+        self.backend.prepare(meta)
+        return self.model(input_ids, positions, self.kv_caches, meta, self.backend, logits_indices).float()
 
     # -- per-step state ---------------------------------------------------------------
 
@@ -197,22 +228,37 @@ class ModelRunner:
             self.peers.run_step(inputs, copies)
         if inputs is None:
             return RunnerOutput({}, None, [])
-        self.backend.prepare(inputs.meta)
-        logits = self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend, inputs.logits_indices
-        )
+        if self._device_inputs is not None:
+            ids, positions, logits_indices, meta = self._device_inputs.send(
+                inputs.input_ids, inputs.positions, inputs.logits_indices, inputs.meta)
+            inputs = dataclasses.replace(inputs, input_ids=ids, positions=positions, logits_indices=logits_indices,
+                                         meta=meta)
+        logits = self._decode_graph_logits(inputs) if self.graphs is not None else None
+        if logits is None:
+            self.backend.prepare(inputs.meta)
+            logits = self.model(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend, inputs.logits_indices
+            ).float()  # a no-op on the fp32 CPU path; sampling works on fp32 logits
         if self._drafter is not None and self._drafter.needs_catch_up:
             self._drafter.catch_up(inputs.input_ids, inputs.positions, inputs.meta)
         prompt_logprobs = []
         if inputs.prompt_logprobs is not None:
             num_extra = len(inputs.prompt_logprobs.logits_indices)
-            prompt_logprobs = compute_prompt_logprobs(logits[-num_extra:], inputs.prompt_logprobs)
+            prompt_logprobs = compute_prompt_logprobs(logits[-num_extra:].cpu(), inputs.prompt_logprobs)
             logits = logits[:-num_extra]
         if not inputs.sampling:
             return RunnerOutput({}, None, [], prompt_logprobs)
         result = sample_rows(logits, inputs.sampling, inputs.first_logits_row, self.eos_token_ids)
         result.prompt_logprobs = prompt_logprobs
         return result
+
+    def _decode_graph_logits(self, inputs: StepInputs) -> torch.Tensor | None:
+        """A decode-only step's logits from its padded graph; None for a step that runs eagerly."""
+        reason = self.graphs.eager_reason(inputs.meta, len(inputs.logits_indices), inputs.prompt_logprobs is not None)
+        if reason is not None:
+            self.graphs.stats.eager[reason] += 1
+            return None
+        return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
 
     @property
     def speculates(self) -> bool:

@@ -78,10 +78,13 @@ def sample_rows(
             matchers.append(state.matcher)
             drafts_before.append(())
     meta = build_sampling_metadata(rows, logits.shape[-1], eos_token_ids)
+    if logits.device.type != "cpu" and not (meta.argmax_only and not any(matchers)):
+        # Penalties, filters, seeded draws, grammar masks and logprobs run on the host.
+        logits = logits.cpu()
     # Before any other processing, so penalties and filters only see allowed tokens.
     constrained = constrain(logits, matchers, drafts_before)
     result = sample(logits, meta)
-    tokens = result.sampled_token_ids.numpy()
+    tokens = result.sampled_token_ids.cpu().numpy()
     keep = np.fromiter((s.num_samples for s in sampling), np.int64, len(sampling))
     speculative = [i for i, s in enumerate(sampling) if s.draft_token_ids]
     if speculative:

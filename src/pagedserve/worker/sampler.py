@@ -126,6 +126,13 @@ class SamplingMetadata:
         return self.full is None and self.candidates is None
 
     @property
+    def argmax_only(self) -> bool:
+        """Every row greedy with nothing to apply first: sampling is one argmax, which runs on
+        whatever device holds the logits (the rest of the sampler runs on CPU tensors)."""
+        return (self.all_greedy and self.logit_bias is None and self.min_tokens_mask is None
+                and self.penalties is None and self.logprob_rows is None)
+
+    @property
     def all_random(self) -> bool:
         return self.greedy is None
 

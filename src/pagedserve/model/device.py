@@ -1,0 +1,61 @@
+"""Where the model runs and in which dtype: `--device` and `--dtype`, resolved and checked.
+
+Importing this module does not import torch (the config and the simulator name the choices);
+`resolve_device` and `torch_dtype` do.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+# What --quantization may be on CUDA: the block formats run on pagedserve's AVX2 kernels only.
+CUDA_QUANTIZATION = ("none", "fp8")
+# Bytes per weight / activation element, by resolved dtype name.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def resolve_device_name(choice: str) -> str:
+    """"cpu" or "cuda" for a --device value; auto picks cuda when torch sees one."""
+    if choice not in DEVICE_CHOICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)}, got {choice!r}")
+    import torch
+
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch sees no CUDA device "
+                         f"(torch {torch.__version__}, built with CUDA {torch.version.cuda})")
+    return choice
+
+
+def resolve_dtype_name(dtype: str, device: str) -> str:
+    """The compute dtype for a resolved device: auto is float32 on cpu, bfloat16 on cuda."""
+    if dtype == "auto":
+        return "float32" if device == "cpu" else "bfloat16"
+    return dtype
+
+
+def check_device_options(device: str, dtype: str, quantization: str, kernels: str) -> None:
+    """ValueError naming the option that cannot run on `device` ("cpu" or "cuda")."""
+    if device not in DEVICE_CHOICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)}, got {device!r}")
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    if device == "cpu" and dtype not in ("auto", "float32"):
+        raise ValueError(f"dtype={dtype!r} runs on cuda only; the CPU path computes in float32")
+    if device == "cuda":
+        if quantization not in CUDA_QUANTIZATION:
+            raise ValueError(f"quantization={quantization!r} runs on pagedserve's CPU kernels only; "
+                             f"on cuda use one of {', '.join(CUDA_QUANTIZATION)}")
+        if kernels == "native":
+            raise ValueError("kernels='native' is pagedserve's CPU op library; on cuda use kernels='auto' or 'torch'")
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
