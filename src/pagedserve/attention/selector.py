@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .backend import AttentionBackend, ReferenceBackend
+from .contiguous_backend import ContiguousAttention, NativeContiguousAttention
 from .cpu_backend import CpuPagedAttention
 from .native_backend import NativePagedAttention
 
@@ -9,13 +10,19 @@ _BACKENDS: dict[str, type] = {
     CpuPagedAttention.name: CpuPagedAttention,
     NativePagedAttention.name: NativePagedAttention,
     ReferenceBackend.name: ReferenceBackend,
+    ContiguousAttention.name: ContiguousAttention,
+    NativeContiguousAttention.name: NativeContiguousAttention,
 }
+# Backends that read a sequence's blocks as one run: only right under the contiguous layout.
+CONTIGUOUS_ONLY = (ContiguousAttention.name, NativeContiguousAttention.name)
 DEFAULT_BACKEND = CpuPagedAttention.name
 
 
-def default_backend_name(kernels: str) -> str:
-    """The backend for a resolved kernel path ("native" or "torch"): the native one
-    needs pagedserve's op library, which "native" means is loaded."""
+def default_backend_name(kernels: str, kv_layout: str = "paged") -> str:
+    """The backend for a resolved kernel path ("native" or "torch") and KV layout: the
+    native ones need pagedserve's op library, which "native" means is loaded."""
+    if kv_layout == "contiguous":
+        return NativeContiguousAttention.name if kernels == "native" else ContiguousAttention.name
     return NativePagedAttention.name if kernels == "native" else DEFAULT_BACKEND
 
 

@@ -30,6 +30,7 @@ from ..sampling_state import SamplingState
 from ..spec_decode.metrics import SpecDecodeStats
 from ..structured_output.backend import Matcher
 from ..structured_output.manager import StructuredOutputManager
+from ..worker.contiguous_kv import build_contiguous_kv
 from ..worker.draft_model import draft_kv, load_draft
 from ..worker.model_runner import ModelRunner, RunnerOutput
 from ..worker.sampler import LogprobsTensors
@@ -109,14 +110,20 @@ class LLMEngine:
         draft = load_draft(self.loaded, spec, self.kernels)
         plan = _plan_kv_cache(config, mc, draft)
         sched_config = config.scheduler_config(self.max_model_len)
-        self.scheduler = Scheduler(sched_config, config.cache_config(plan.num_blocks),
-                                   self._step_budget(sched_config.max_num_batched_tokens))
+        cache_config = config.cache_config(plan.num_blocks)
+        # The contiguous layout: a demand-paged mapping (runner) and its page accounting (scheduler).
+        self.kv_store, kv_manager = build_contiguous_kv(
+            mc, cache_config, config.kv_cache_memory or default_kv_cache_memory(), self.max_model_len,
+            config.max_num_seqs, config.kv_cache_dtype) if config.kv_layout == "contiguous" else (None, None)
+        self.scheduler = Scheduler(sched_config, cache_config, self._step_budget(sched_config.max_num_batched_tokens),
+                                   kv_cache=kv_manager)
         self.runner = ModelRunner(
             self.loaded.model, plan, config.max_num_seqs, self.max_model_len,
             eos_token_ids=tuple(self.tokenizer.stop_token_ids),
-            attention_backend=config.attention_backend or default_backend_name(self.kernels),
+            attention_backend=config.attention_backend or default_backend_name(self.kernels, config.kv_layout),
             speculative=spec, draft=draft.model if draft is not None else None,
             kv_cache_dtype=config.kv_cache_dtype,
+            kv_caches=self.kv_store.kv_caches if self.kv_store is not None else None,
         )
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec is not None else None
         self.structured_outputs = StructuredOutputManager(self.tokenizer, mc.vocab_size)

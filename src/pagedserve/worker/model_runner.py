@@ -66,7 +66,10 @@ class ModelRunner:
         speculative: SpeculativeConfig | None = None,
         draft: LlamaModel | None = None,
         kv_cache_dtype: str = "auto",
+        kv_caches: list[torch.Tensor] | None = None,
     ):
+        """`kv_caches`: per-layer caches made elsewhere (the contiguous layout's mapping);
+        None allocates the paged pool the plan sizes."""
         self.model = model
         self.block_size = bs = kv_plan.block_size
         self_layers = speculative.self_draft_layers if speculative is not None else None
@@ -74,7 +77,8 @@ class ModelRunner:
         # self-draft writes its unverified positions there, in the layers it runs.
         num_scratch = kv_plan.num_scratch_blocks if self_layers is not None else 0
         dtype = kv_cache_torch_dtype(kv_cache_dtype)
-        self.kv_caches = allocate_kv_caches(model, kv_plan.num_blocks, bs, dtype, num_scratch, self_layers or 0)
+        self.kv_caches = kv_caches if kv_caches is not None else allocate_kv_caches(
+            model, kv_plan.num_blocks, bs, dtype, num_scratch, self_layers or 0)
         self.backend = get_backend(attention_backend)
         self.block_tables = BlockTableRows(max_num_seqs, -(-max_model_len // bs))
         self.eos_token_ids = eos_token_ids
