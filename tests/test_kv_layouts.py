@@ -95,14 +95,14 @@ def test_committed_pages_follow_the_tokens_and_aborts_give_them_back(loaded):
 
 
 def test_admission_never_exceeds_the_configured_memory(loaded):
-    # Each request: 60 + 12 tokens = ceil(72 x 768 / 4096) = 14 pages per stream, 840 in all;
+    # Each request: 40 + 6 tokens = ceil(46 x 768 / 4096) = 9 pages per stream, 540 in all;
     # the budget holds two of them.
-    memory = 2 * 840 * 4096 + 4096
+    memory = 2 * 540 * 4096 + 4096
     llm = make_llm(loaded, kv_layout="contiguous", kv_cache_memory=memory, max_model_len=256)
     engine, kv = llm.engine, llm.engine.scheduler.kv_cache
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    for i in range(4):
-        engine.add_request([200 + 3 * i + t for t in range(60)], params)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for i in range(3):
+        engine.add_request([200 + 3 * i + t for t in range(40)], params)
     peak_running = 0
     while engine.has_unfinished_requests():
         engine.step()
@@ -111,7 +111,7 @@ def test_admission_never_exceeds_the_configured_memory(loaded):
     assert peak_running == 2
     assert kv.peak_committed_pages * 4096 <= memory
     with pytest.raises(ValueError, match="kv_cache_memory"):
-        engine.add_request(list(range(300)), SamplingParams(max_tokens=200))
+        engine.add_request(list(range(150)), SamplingParams(max_tokens=100))  # 47 pages per stream
     with pytest.raises(ValueError, match="n > 1 needs kv_layout='paged'"):
         engine.add_request([1, 2, 3], SamplingParams(n=2, max_tokens=2))
     assert_nothing_committed(llm)
