@@ -14,7 +14,7 @@ from engine_utils import KV_BYTES_PER_BLOCK, assert_all_blocks_free, busy_batch,
 from pagedserve import SamplingParams
 from pagedserve.attention.backend import ReferenceBackend, to_cache_dtype
 from pagedserve.attention.contiguous_backend import ContiguousAttention, NativeContiguousAttention
-from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.testing import contiguous_step
 from pagedserve.config import EngineConfig
 from pagedserve.model.loader import load_model
 
@@ -130,25 +130,11 @@ def test_options_that_need_shared_pages_are_refused():
     assert EngineConfig().enable_prefix_caching is True
 
 
-def contiguous_step(seqs: list[tuple[int, int]], region_tokens: int = 2048, block_size: int = 16, seed: int = 0):
-    """A step whose sequences sit in regions 2, 0, 3, ... (not in order) of a cache laid out
-    as the contiguous layout lays it out, every other slot random."""
-    gen = torch.Generator().manual_seed(seed)
-    per_region = region_tokens // block_size
-    regions = [(2 * i + 2) % (len(seqs) + 2) for i in range(len(seqs))]
-    tables = [[r * per_region + b for b in range(-(-s // block_size))] for r, (_, s) in zip(regions, seqs)]
-    meta = AttentionMetadata.for_sequences([q for q, _ in seqs], [s for _, s in seqs], tables, block_size)
-    n = sum(q for q, _ in seqs)
-    q, k, v = (torch.randn(n, h, 64, generator=gen) for h in (9, 3, 3))
-    cache = torch.randn(2, (len(seqs) + 2) * per_region, block_size, 3, 64, generator=gen)
-    return q, k, v, cache, meta
-
-
 @pytest.mark.parametrize("backend", [ContiguousAttention, NativeContiguousAttention], ids=["torch", "native"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_backends_match_the_reference(backend, dtype):
     seqs = [(1, 1), (1, 40), (5, 57), (300, 700), (1, 1500), (20, 29), (15, 15)]
-    q, k, v, cache, meta = contiguous_step(seqs)
+    q, k, v, cache, meta = contiguous_step(seqs, 9, 3, 64, 16, region_tokens=2048)
     cache = to_cache_dtype(cache, dtype)
     expected_cache = cache.clone()
     expected = ReferenceBackend().forward(q, k, v, expected_cache, meta, 0.125)

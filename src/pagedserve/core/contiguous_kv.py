@@ -155,6 +155,10 @@ class ContiguousKVCacheManager:
         return self.committed_pages * self.layout.page_size
 
     @property
+    def peak_committed_bytes(self) -> int:
+        return self.peak_committed_pages * self.layout.page_size
+
+    @property
     def num_blocks(self) -> int:
         return self.layout.memory_bytes // self._bytes_per_block
 
