@@ -12,6 +12,12 @@ backend, and the contiguous layout (each sequence's blocks consecutive) under it
 path (the same op over consecutive tables) and its torch path (per-sequence views, no
 gather). Multiply by 30 for a SmolLM2 step.
 
+Part "sharing": what prefix sharing would cost the contiguous layout. A memfd holds the
+shared K/V; a 1,008-token prefix hit is mapped (mmap MAP_FIXED) into the 60 streams of a
+region either block by block (each 16-token block is 3 pages of a stream for SmolLM2),
+at file offsets in reverse order, as scattered cached blocks would be, or as one run per
+stream (the prefix as its first request wrote it): the time and the VMAs one hit leaves.
+
 Part "engine": the real engine over the same loaded weights on small versions of the
 study workload and of W1/W2 (`--scale` multiplies prompt counts and output lengths),
 paged and contiguous alternating run by run (paged, contiguous, paged, contiguous), greedy,
@@ -79,6 +85,52 @@ def time_attention(reps: int, clock) -> list[dict]:
     return rows
 
 
+def time_sharing(prefix_tokens: int = 1008) -> list[dict]:
+    return [_map_prefix(prefix_tokens, per_block=True), _map_prefix(prefix_tokens, per_block=False)]
+
+
+def _map_prefix(prefix_tokens: int, per_block: bool) -> dict:
+    import ctypes
+    import mmap
+    import os
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    streams, stream_bytes, page = 60, 768, mmap.PAGESIZE
+    block_bytes = BLOCK * stream_bytes  # 3 pages
+    blocks = prefix_tokens // BLOCK
+    fd = os.memfd_create("kv-prefix")
+    os.ftruncate(fd, streams * blocks * block_bytes)
+    region_bytes = 8192 * stream_bytes
+    region = mmap.mmap(-1, streams * region_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    with open("/proc/self/maps") as f:
+        before = sum(1 for _ in f)
+    t0 = time.perf_counter()
+    pieces = [(b, blocks - 1 - b, 1) for b in range(blocks)] if per_block else [(0, 0, blocks)]
+    for st in range(streams):
+        for at, src, count in pieces:
+            addr = base + st * region_bytes + at * block_bytes
+            offset = (st * blocks + src) * block_bytes
+            if libc.mmap(addr, count * block_bytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | 0x10, fd,
+                         offset) != addr:
+                raise OSError(ctypes.get_errno(), "mmap(MAP_FIXED) failed")
+    seconds = time.perf_counter() - t0
+    with open("/proc/self/maps") as f:
+        after = sum(1 for _ in f)
+    with open("/proc/sys/vm/max_map_count") as f:
+        max_maps = int(f.read())
+    os.close(fd)
+    remaps = streams * len(pieces)
+    row = {"mapped": "per block" if per_block else "one run per stream", "prefix_tokens": blocks * BLOCK,
+           "remaps": remaps, "seconds": round(seconds, 4), "us_per_remap": round(seconds / remaps * 1e6, 1),
+           "new_vmas": after - before,
+           "max_map_count": max_maps}
+    print(row, flush=True)
+    return row
+
+
 def engine_workloads(scale: float):
     from pagedserve.workload.datasets import random_dataset
 
@@ -86,10 +138,10 @@ def engine_workloads(scale: float):
         return max(1, round(x * scale))
 
     return {
-        # the study's shape (prompts 40-255, outputs 68-255 in the full run), all at once
-        "study-small": (random_dataset(n(16), 144, n(64), range_ratio=0.777, output_range_ratio=0.6, seed=0), None),
         "W1-small": (random_dataset(n(2), 128, n(32), range_ratio=0, seed=1), 1),
         "W2-small": (random_dataset(n(16), 128, n(32), range_ratio=0, seed=2), 16),
+        # the study's shape (prompts 40-255, outputs 68-255 in the full run), all at once
+        "study-small": (random_dataset(n(16), 144, n(64), range_ratio=0.777, output_range_ratio=0.6, seed=0), None),
     }
 
 
@@ -114,7 +166,7 @@ def run_engines(scale: float, repeats: int) -> list[dict]:
                        # Block-equivalents in use at the peak (16-token blocks of 46,080 B/token).
                        "peak_used_mib": s["peak_blocks_used"] * BLOCK * 46080 / 2**20}
                 per_layout[layout].append(row)
-                print(row, flush=True)
+                print(json.dumps(row), flush=True)
         for layout, runs in per_layout.items():
             rows.append({"workload": wname, "layout": layout, "runs": len(runs),
                          **{k: statistics.median(r[k] for r in runs) for k in runs[0] if k not in ("workload", "layout")}})
@@ -123,7 +175,7 @@ def run_engines(scale: float, repeats: int) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", default="attention,engine")
+    p.add_argument("--part", default="attention,sharing,engine")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--repeats", type=int, default=2, help="engine runs per layout and workload")
     p.add_argument("--threads", type=int, default=None)
@@ -138,6 +190,8 @@ def main() -> None:
     if "attention" in parts:
         result["attention_ms_per_layer"] = time_attention(
             args.reps, time.thread_time if args.clock == "cpu" else time.perf_counter)
+    if "sharing" in parts:
+        result["sharing"] = time_sharing()
     if "engine" in parts:
         result["engine"] = run_engines(args.scale, args.repeats)
     if args.out:
