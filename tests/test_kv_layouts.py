@@ -16,6 +16,7 @@ from pagedserve.attention.backend import ReferenceBackend, to_cache_dtype
 from pagedserve.attention.contiguous_backend import ContiguousAttention, NativeContiguousAttention
 from pagedserve.attention.testing import contiguous_step
 from pagedserve.config import EngineConfig
+from pagedserve.engine.dashboard_feed import DashboardFeed
 from pagedserve.model.loader import load_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -76,9 +77,13 @@ def test_committed_pages_follow_the_tokens_and_aborts_give_them_back(loaded):
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     for i, n in enumerate((7, 40, 90)):
         engine.add_request([100 + i + t for t in range(n)], params, request_id=str(i))
+    feed = DashboardFeed()
+    feed.watch(True)
     for _ in range(3):
         engine.step()
         kv.check_invariants()  # the OS holds exactly the pages of the written tokens
+    frame = feed.build_frame(engine)  # the live page lists regions (no block map to draw)
+    assert sorted(s["id"] for s in frame["seqs"]) == ["0", "1", "2"] and frame["blocks"]["owner"] == []
     # 7 + 2 written tokens: ceil(9 x 768 / 4096) = 2 pages in each of the 60 streams.
     assert engine.kv_store.committed_pages([kv._rows["0"].index]) == 120
     assert kv.committed_bytes == engine.kv_store.resident_bytes() > 0
