@@ -85,7 +85,7 @@ def test_committed_pages_follow_the_tokens_and_aborts_give_them_back(loaded):
     frame = feed.build_frame(engine)  # the live page lists regions (no block map to draw)
     assert sorted(s["id"] for s in frame["seqs"]) == ["0", "1", "2"] and frame["blocks"]["owner"] == []
     # 7 + 2 written tokens: ceil(9 x 768 / 4096) = 2 pages in each of the 60 streams.
-    assert engine.kv_store.committed_pages([kv._rows["0"].index]) == 120
+    assert engine.kv_store.committed_pages([(kv._rows["0"].index, 0, 4)]) == [120]  # pages 2, 3 empty
     assert kv.committed_bytes == engine.kv_store.resident_bytes() > 0
     engine.abort("1")
     kv.check_invariants()

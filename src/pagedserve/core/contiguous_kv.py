@@ -9,8 +9,9 @@ max_model_len. The pages stay committed until the request ends; then the worker 
 them back (madvise DONTNEED) and the region returns to a pool for the next request.
 
 The scheduler's decisions compare committed bytes with the budget (--kv-cache-memory):
-the figure is the operating system's count at the last reading (every SYNC_EVERY_STEPS
-steps) plus the pages the rows scheduled since will touch, which no reading can show yet
+the figure is the operating system's count of the pages written up to the last reading
+(every SYNC_EVERY_STEPS steps the OS is asked about the pages written since, each page
+once) plus the pages the rows scheduled since will touch, which no reading can show yet
 because their tokens are written by the coming forward. So admission and growth never
 take the cache past the budget, and a drift between the arithmetic and the OS (huge
 pages, say) is caught at the next reading.
@@ -33,8 +34,9 @@ from .request import Request
 
 KV_LAYOUTS = ("paged", "contiguous")
 PAGE_SIZE = 4096
-# How often the committed figure is re-read from the OS (schedule() calls). A reading
-# costs ~0.1-2 ms (one mincore per stream over the regions in use).
+# How often the OS is asked about the pages written since the last reading (schedule()
+# calls). Each page is read once, after its first write: one pagemap read per stream per
+# request that grew, a few pages each.
 SYNC_EVERY_STEPS = 16
 
 
@@ -70,9 +72,13 @@ class ContiguousLayout:
     def bytes_per_token(self) -> int:
         return self.stream_bytes_per_token * self.num_streams
 
+    def stream_pages(self, tokens: int) -> int:
+        """Pages of one stream that tokens 0 .. tokens - 1 touch."""
+        return -(-tokens * self.stream_bytes_per_token // self.page_size)
+
     def pages_for(self, tokens: int) -> int:
         """Pages committed once tokens 0 .. tokens - 1 are written in every stream."""
-        return self.num_streams * -(-tokens * self.stream_bytes_per_token // self.page_size)
+        return self.num_streams * self.stream_pages(tokens)
 
 
 def plan_contiguous(memory_bytes: int, max_model_len: int, num_regions: int, block_size: int,
@@ -95,8 +101,9 @@ def _gcd(a: int, b: int) -> int:
 class RegionMemory(Protocol):
     """The OS side, implemented in worker/ (torch-free here)."""
 
-    def committed_pages(self, regions: list[int]) -> int:
-        """Pages the OS has committed in these regions, read from the OS."""
+    def committed_pages(self, extents: list[tuple[int, int, int]]) -> list[int]:
+        """For each (region, first page, end page): how many of those pages of the region's
+        streams (all of them) the OS has committed, read from the OS."""
         ...
 
     def release(self, region: int) -> None:
@@ -111,7 +118,8 @@ class _Region:
     num_stored_tokens: int
     # High-water mark of written tokens since the region was taken: what the OS holds.
     num_written_tokens: int = 0
-    # This region's share of the last OS reading (by the arithmetic).
+    # Tokens whose pages the OS has been asked about, and what it answered (all streams).
+    synced_tokens: int = 0
     synced_pages: int = 0
 
 
@@ -212,17 +220,24 @@ class ContiguousKVCacheManager:
             self.sync()
 
     def sync(self) -> int:
-        """Re-read the committed pages from the OS; returns the reading."""
+        """Ask the OS about the pages written since the last reading; returns the committed
+        pages (the sum of all readings of the pages still held)."""
         self._steps_since_sync = 0
-        for row in self._rows.values():
-            row.synced_pages = self.layout.pages_for(row.num_written_tokens)
+        layout = self.layout
+        rows = [r for r in self._rows.values() if r.num_written_tokens > r.synced_tokens]
+        extents = [(r.index, layout.stream_pages(r.synced_tokens), layout.stream_pages(r.num_written_tokens))
+                   for r in rows]
         if self.memory is None:
-            reading = sum(row.synced_pages for row in self._rows.values())
+            counts = [layout.num_streams * (end - first) for _, first, end in extents]
         else:
-            reading = self.memory.committed_pages(sorted(row.index for row in self._rows.values()))
+            counts = self.memory.committed_pages(extents)
             self.num_os_readings += 1
-        self._base_pages, self._unsynced_pages = reading, 0
-        return reading
+        for row, count in zip(rows, counts):
+            row.synced_pages += count
+            row.synced_tokens = row.num_written_tokens
+        self._base_pages += sum(counts)
+        self._unsynced_pages = 0
+        return self._base_pages
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        prefix_hit: PrefixHit | None = None) -> Allocation | None:
@@ -273,7 +288,7 @@ class ContiguousKVCacheManager:
         if self.memory is not None:
             self.memory.release(row.index)
         self._base_pages -= row.synced_pages
-        self._unsynced_pages -= self.layout.pages_for(row.num_written_tokens) - row.synced_pages
+        self._unsynced_pages -= self.layout.pages_for(row.num_written_tokens) - self.layout.pages_for(row.synced_tokens)
         heapq.heappush(self._free_regions, row.index)
 
     # -- checks --------------------------------------------------------------------
@@ -281,10 +296,13 @@ class ContiguousKVCacheManager:
     def check_invariants(self) -> None:
         """Raise AssertionError unless the OS holds exactly the pages the written tokens
         need (between steps), within the budget, and regions are held once each."""
-        expected = sum(self.layout.pages_for(r.num_written_tokens) for r in self._rows.values())
-        reading = self.sync()
-        if reading != expected:
-            raise AssertionError(f"the OS holds {reading} pages of KV regions; the written tokens need {expected}")
+        self.sync()
+        for rid, row in self._rows.items():
+            if row.synced_pages != self.layout.pages_for(row.num_written_tokens):
+                raise AssertionError(f"request {rid}: the OS holds {row.synced_pages} pages of its region; "
+                                     f"its {row.num_written_tokens} written tokens need "
+                                     f"{self.layout.pages_for(row.num_written_tokens)}")
+        reading = self._base_pages
         if reading > self.layout.budget_pages:
             raise AssertionError(f"{reading} pages committed; the budget is {self.layout.budget_pages}")
         held = [r.index for r in self._rows.values()]
