@@ -17,6 +17,8 @@ from .core.config import (
     chunks_prefill,
     whole_prompt_budget,
 )
+from .attention.selector import CONTIGUOUS_ONLY
+from .core.contiguous_kv import KV_LAYOUTS, check_kv_layout
 from .core.kv_connector import KVTransferConfig
 from .core.kv_plan import KV_CACHE_DTYPES, check_kv_cache_dtype
 from .core.step_budget import LatencyTarget
@@ -55,7 +57,8 @@ class EngineConfig:
     max_num_seqs: int = field(default=128, metadata={"help": "most requests running at once"})
     max_num_batched_tokens: int | None = field(default=None, metadata={"help": f"token budget per step (CPU default {CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS})"})
     max_model_len: int | None = field(default=None, metadata={"help": "context length limit; default: the model's"})
-    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV of shared prompt prefixes"})
+    enable_prefix_caching: bool | None = field(default=None, metadata={
+        "help": "reuse KV of shared prompt prefixes (default: on with the paged layout, which alone can share)"})
     enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prefills across steps"})
     long_prefill_token_threshold: int = field(default=0, metadata={"help": "cap one prompt's tokens per step (0 = off)"})
     scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs or priority"})
@@ -76,6 +79,9 @@ class EngineConfig:
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "KV cache elements: auto (fp32), fp32, fp16 (half the bytes), fp8_e4m3 or fp8_e5m2 (a quarter); "
                 "narrower ones are converted to fp32 as attention reads them"})
+    kv_layout: str = field(default="paged", metadata={
+        "help": "paged: blocks from a preallocated pool; contiguous: one demand-paged virtual region per "
+                "request, committed by the OS as tokens arrive (no prefix caching, n > 1 or draft models)"})
     device: str = field(default="auto", metadata={
         "help": "cpu, cuda, or auto (cuda when torch sees one); see docs/gpu.md"})
     dtype: str = field(default="auto", metadata={
@@ -117,6 +123,7 @@ class EngineConfig:
             check_device_options(self.device, self.dtype, self.quantization, self.kernels)
         elif self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        self._check_kv_layout()
         if self.quantization not in ("none", "fp8") and self.kernels == "torch":
             raise ValueError(f"quantization={self.quantization!r} runs on the native kernels; kernels='torch' has none")
         # Scheduler and cache fields are validated by core's SchedulerConfig / CacheConfig
@@ -168,6 +175,26 @@ class EngineConfig:
         """Torch threads for one rank: the flag, else this host's cores shared by its ranks."""
         return self.num_threads or max(1, default_num_threads() // self.ranks_per_node)
 
+    def _check_kv_layout(self) -> None:
+        contiguous = check_kv_layout(self.kv_layout) == "contiguous"
+        if self.enable_prefix_caching is None:
+            self.enable_prefix_caching = not contiguous
+        if not contiguous:
+            if self.attention_backend in CONTIGUOUS_ONLY:
+                raise ValueError(f"attention_backend {self.attention_backend!r} needs kv_layout='contiguous'")
+            return
+        # Sharing a prefix or a forked prompt means mapping the same pages into several
+        # regions; docs/kv-layouts.md says why that is left to the paged layout.
+        if self.enable_prefix_caching:
+            raise ValueError("enable_prefix_caching needs kv_layout='paged': the contiguous layout shares no pages")
+        if self.tensor_parallel_size > 1 or self.kv_transfer_config is not None:
+            # Its regions live in this process's address space, read by this process's attention.
+            raise ValueError("kv_layout='contiguous' is not supported with tensor_parallel_size > 1 or kv_transfer_config")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            raise ValueError("speculative_config method 'draft_model' needs kv_layout='paged' (its scratch blocks "
+                             "are paged); use method 'ngram' with the contiguous layout")
+
     def effective_max_num_batched_tokens(self, max_model_len: int) -> int:
         """The flag if given; else 256 when prompts are chunked, and when they are not
         (policies continuous, static, naive) a budget that holds a whole prompt, as vLLM."""
@@ -206,7 +233,7 @@ class EngineConfig:
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
             help_text = f.metadata.get("help")
-            if f.type in ("bool",) or isinstance(f.default, bool):
+            if f.type in ("bool", "bool | None") or isinstance(f.default, bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             elif f.name == "kv_cache_memory":
                 parser.add_argument(flag, type=parse_memory, default=None, help=help_text)
@@ -215,10 +242,11 @@ class EngineConfig:
                 parser.add_argument(flag, type=str, default=f.default, help=help_text)
             elif f.name in ("itl_target_ms", "ttft_target_ms", "gpu_memory_utilization"):
                 parser.add_argument(flag, type=float, default=f.default, help=help_text)
-            elif f.name in ("policy", "scheduling_policy", "kernels", "quantization", "kv_cache_dtype", "device", "dtype"):
+            elif f.name in ("policy", "scheduling_policy", "kernels", "quantization", "kv_cache_dtype", "device", "dtype",
+                            "kv_layout"):
                 choices = {"policy": POLICIES, "scheduling_policy": SCHEDULING_POLICIES, "kernels": KERNEL_CHOICES,
                            "quantization": QUANTIZATION_CHOICES, "kv_cache_dtype": KV_CACHE_DTYPES,
-                           "device": DEVICE_CHOICES, "dtype": DTYPE_CHOICES}[f.name]
+                           "device": DEVICE_CHOICES, "dtype": DTYPE_CHOICES, "kv_layout": KV_LAYOUTS}[f.name]
                 parser.add_argument(flag, choices=choices, default=f.default, help=help_text)
             else:
                 parser.add_argument(flag, type=int, default=f.default, help=help_text)

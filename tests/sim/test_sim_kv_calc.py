@@ -56,3 +56,16 @@ def test_kv_cli_json(capsys):
 def test_waste_rejects_bad_input(args):
     with pytest.raises(ValueError):
         waste(**args)
+
+
+def test_demand_paged_waste_is_page_granular_and_finer_than_blocks_for_smollm2():
+    # 20 tokens x 768 B = 15,360 B: 4 pages of 4 KiB = 21.33 tokens' worth per stream.
+    r = waste(2, mean=20, std=0, max_len=100, block_size=16, stream_bytes=768, page_size=4096)
+    assert r.tokens_per_page == pytest.approx(16 / 3)
+    assert r.demand_paged_reserved == pytest.approx(2 * 4 * 4096 / 768)
+    assert r.demand_paged_waste == pytest.approx(1 - 40 / (2 * 4 * 4096 / 768))
+    assert r.demand_paged_waste < r.paged_waste
+    big = waste(1000, 1500, 600, 8192, 16, seed=0)
+    assert big.demand_paged_waste < big.paged_waste / 2
+    # With CUDA-VMM-sized 2 MiB pages the same lengths waste more than blocks do.
+    assert waste(1000, 1500, 600, 8192, 16, seed=0, page_size=2 << 20).demand_paged_waste > big.paged_waste

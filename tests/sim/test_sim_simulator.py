@@ -72,3 +72,21 @@ def test_static_waits_for_the_slowest_member():
     last_of_batch = max(r.token_times[-1] for r in res.records[:4])
     assert res.records[4].token_times[0] > last_of_batch
     assert max(st.padding_rows for st in res.steps) == 3  # three of four rows idle, as the seed says
+
+
+def test_contiguous_layout_admits_by_pages_and_gives_them_back():
+    from pagedserve.core.contiguous_kv import plan_contiguous
+
+    m = MODELS["smollm2-135m"]
+    reqs = [BenchRequest(list(range(40 + i)), 30) for i in range(24)]
+    cost = CostModel(m, get_hardware("l40s"), "fp32")
+    stream = m.num_kv_heads * m.head_dim * 4
+    memory = 160 * 16 * stream * 2 * m.num_layers  # as much as 160 paged blocks
+    layout = plan_contiguous(memory, 512, 32, 16, stream, 2 * m.num_layers)
+    paged = simulate(reqs, cost, SimConfig(num_blocks=160, max_num_seqs=32, max_model_len=512,
+                                           enable_prefix_caching=False))
+    res = simulate(reqs, cost, SimConfig(num_blocks=160, max_num_seqs=32, max_model_len=512, contiguous=layout))
+    assert all(len(r.token_times) == 30 for r in res.records)
+    kv = res.scheduler.kv_cache
+    assert kv.committed_pages == 0 and 0 < kv.peak_committed_pages <= layout.budget_pages
+    assert res.summary()["kv_waste"] < paged.summary()["kv_waste"]

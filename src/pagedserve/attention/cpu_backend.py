@@ -210,32 +210,51 @@ def attend_prefill(
     out: torch.Tensor,
     scale: float,
 ) -> None:
-    rows = slice(chunk.start, chunk.start + chunk.query_len)
+    context = None
+    if chunk.context_len:
+        kv = _gather(kv_cache, chunk.block_ids, workspace)
+        context = kv.view(2, -1, *kv_cache.shape[-2:])[:, : chunk.context_len]
+    attend_chunk(chunk.start, chunk.query_len, q, k, v, context, kv_cache.dtype, out, scale)
+
+
+def attend_chunk(
+    start: int,
+    query_len: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    context: torch.Tensor | None,  # [2, context_len, num_kv_heads, head_dim] fp32: the earlier K/V
+    cache_dtype: torch.dtype,
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    """Rows start:start+query_len of one sequence: causal over their own K/V, merged with
+    the earlier context (wherever it was read from) by log-sum-exp."""
+    rows = slice(start, start + query_len)
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = kv_cache.shape[-2]
+    num_kv_heads = k.shape[1]
     queries = q[rows].transpose(0, 1).unsqueeze(0)  # [1, num_heads, query_len, head_dim]
     # Causal over the chunk itself, whose K/V are this step's k/v: nothing to gather,
     # and the kernel skips the masked half. A narrow cache's chunk attends its own K/V
     # as stored (rounded), as every later step will read them, so a token's output does
     # not depend on whether its keys were in the same chunk: batch-invariant.
     own_k, own_v = k[rows], v[rows]
-    if kv_cache.dtype != own_k.dtype:
-        own_k = to_cache_dtype(own_k, kv_cache.dtype).to(own_k.dtype)
-        own_v = to_cache_dtype(own_v, kv_cache.dtype).to(own_v.dtype)
+    if cache_dtype != own_k.dtype:
+        own_k = to_cache_dtype(own_k, cache_dtype).to(own_k.dtype)
+        own_v = to_cache_dtype(own_v, cache_dtype).to(own_v.dtype)
     attended, lse = _flash_attention(
         queries, own_k.transpose(0, 1).unsqueeze(0), own_v.transpose(0, 1).unsqueeze(0), 0.0, True, scale=scale
     )
-    if chunk.context_len:
-        kv = _gather(kv_cache, chunk.block_ids, workspace)
-        kv = kv.view(2, 1, -1, num_kv_heads, head_dim)[:, :, : chunk.context_len]
+    if context is not None:
         # Every query sees all of the earlier context, so no mask, and the query heads of
         # a KV head can share one pass over its keys: [1, num_kv_heads, heads_per_kv * query_len, head_dim].
         folded = queries.reshape(1, num_kv_heads, -1, head_dim)
         earlier, earlier_lse = _flash_attention(
-            folded, kv[0].transpose(1, 2), kv[1].transpose(1, 2), 0.0, False, scale=scale
+            folded, context[0].transpose(0, 1).unsqueeze(0), context[1].transpose(0, 1).unsqueeze(0), 0.0, False,
+            scale=scale,
         )
         attended = _merge(attended, lse, earlier.reshape(attended.shape), earlier_lse.reshape(lse.shape))
-    out[rows] = attended[0].transpose(0, 1).reshape(chunk.query_len, num_heads * head_dim)
+    out[rows] = attended[0].transpose(0, 1).reshape(query_len, num_heads * head_dim)
 
 
 def _merge(a: torch.Tensor, a_lse: torch.Tensor, b: torch.Tensor, b_lse: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .backend import AttentionBackend, ReferenceBackend
+from .contiguous_backend import ContiguousAttention, NativeContiguousAttention
 from .cpu_backend import CpuPagedAttention
 from .native_backend import NativePagedAttention
 from .triton_backend import TritonPagedAttention
@@ -11,19 +12,25 @@ _BACKENDS: dict[str, type] = {
     NativePagedAttention.name: NativePagedAttention,
     ReferenceBackend.name: ReferenceBackend,
     TritonPagedAttention.name: TritonPagedAttention,
+    ContiguousAttention.name: ContiguousAttention,
+    NativeContiguousAttention.name: NativeContiguousAttention,
 }
+# Backends that read a sequence's blocks as one run: only right under the contiguous layout.
+CONTIGUOUS_ONLY = (ContiguousAttention.name, NativeContiguousAttention.name)
 DEFAULT_BACKEND = CpuPagedAttention.name
 # The GPU backend. Its module imports without triton; building one without it is a
 # ValueError that says why.
 TRITON_BACKEND = TritonPagedAttention.name
 
 
-def default_backend_name(kernels: str, device: str = "cpu") -> str:
-    """The backend for a resolved kernel path ("native" or "torch") on a device: on cuda the
-    Triton kernels; on cpu the native one needs pagedserve's op library, which "native" means
-    is loaded."""
+def default_backend_name(kernels: str, device: str = "cpu", kv_layout: str = "paged") -> str:
+    """The backend for a resolved kernel path ("native" or "torch"), device and KV layout:
+    on cuda the Triton kernels; on cpu the native ones need pagedserve's op library, which
+    "native" means is loaded."""
     if device != "cpu":
         return TRITON_BACKEND
+    if kv_layout == "contiguous":
+        return NativeContiguousAttention.name if kernels == "native" else ContiguousAttention.name
     return NativePagedAttention.name if kernels == "native" else DEFAULT_BACKEND
 
 

@@ -40,6 +40,9 @@ class RunResult:
     duration: float
     steps: list[StepSample] = field(default_factory=list)
     num_preemptions: int = 0
+    # KV memory the run held at its peak: the whole zero-filled pool (paged), or the pages
+    # the OS committed (contiguous layout).
+    peak_kv_committed_bytes: int = 0
 
     def summary(self) -> dict[str, float]:
         s = summarize(self.records, self.duration)
@@ -56,6 +59,7 @@ class RunResult:
         else:
             s["kv_waste"] = math.nan
         s["num_preemptions"] = self.num_preemptions
+        s["peak_kv_committed_mib"] = self.peak_kv_committed_bytes / 2**20
         return s
 
 
@@ -105,7 +109,9 @@ def run_engine(loaded, policy: str, requests: Sequence[BenchRequest], *, max_con
         steps.append(StepSample(t, st["num_running"], st["num_waiting"], st["kv_usage"], st["kv_waste"],
                                 total_blocks - st["kv_free_blocks"]))
     duration = time.monotonic() - t0
-    return RunResult(policy, records, duration, steps, engine.stats()["num_preemptions"])
+    kv_bytes = (engine.scheduler.kv_cache.peak_committed_bytes if engine.kv_store is not None
+                else sum(t.numel() * t.element_size() for t in engine.runner.kv_caches))
+    return RunResult(policy, records, duration, steps, engine.stats()["num_preemptions"], kv_bytes)
 
 
 def load_hf_model(model_path):

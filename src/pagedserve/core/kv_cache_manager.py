@@ -50,6 +50,9 @@ class _Row:
 
 
 class KVCacheManager:
+    # n > 1 children share their parent's blocks (copy-on-write).
+    supports_forks = True
+
     def __init__(self, config: CacheConfig):
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks
@@ -90,6 +93,13 @@ class KVCacheManager:
                     tail_fill[block_id] = fill
         return sum(bs - fill for fill in tail_fill.values()) / (used * bs)
 
+    def fit_error(self, num_tokens: int) -> str | None:
+        """Why a request of num_tokens could never run in this pool; None if it could."""
+        need = -(-num_tokens // self.block_size)
+        if need > self.num_blocks:
+            return f"needs {need} KV blocks of {self.block_size}; the pool has {self.num_blocks}"
+        return None
+
     def has_blocks(self, request: Request) -> bool:
         return request.request_id in self._rows
 
@@ -125,6 +135,9 @@ class KVCacheManager:
         return PrefixHit(tuple(hit), len(hit) * bs) if hit else NO_HIT
 
     # -- changes -------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Called at the start of every schedule(); the block pool keeps no outside reading."""
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, prefix_hit: PrefixHit | None = None

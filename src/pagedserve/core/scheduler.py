@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from .config import CacheConfig, SchedulerConfig
+from .contiguous_kv import ContiguousKVCacheManager
 from .kv_connector import KVConnectorOutput, KVConnectorScheduler
 from .kv_cache_manager import Allocation, KVCacheManager, PrefixHit
 from .outputs import RequestUpdate, ScheduledRequest, SchedulerOutput, SchedulerStats
@@ -101,10 +102,12 @@ class _Step:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 step_budget: StepBudget | None = None, kv_connector: KVConnectorScheduler | None = None):
+                 step_budget: StepBudget | None = None, kv_connector: KVConnectorScheduler | None = None,
+                 kv_cache: KVCacheManager | ContiguousKVCacheManager | None = None):
         """`step_budget`: choose each step's budget from a latency target (chunked policy
         only); None keeps the fixed max_num_batched_tokens. `kv_connector`: the scheduler
-        half of a KV connector (disaggregated prefill/decode); None calls nothing of it."""
+        half of a KV connector (disaggregated prefill/decode); None calls nothing of it.
+        `kv_cache`: the manager of another KV layout; None builds the paged one from cache_config."""
         self.config = scheduler_config
         if kv_connector is not None and scheduler_config.policy not in ("chunked", "continuous"):
             raise ValueError(f"a KV connector needs policy 'chunked' or 'continuous', got {scheduler_config.policy!r}")
@@ -117,7 +120,7 @@ class Scheduler:
         self.step_budget = step_budget
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
-        self.kv_cache = KVCacheManager(cache_config)
+        self.kv_cache = kv_cache if kv_cache is not None else KVCacheManager(cache_config)
         self.policy = make_policy(scheduler_config)
         self.waiting = make_waiting_queue(scheduler_config.scheduling_policy)
         # In admission order; a forked parent's children sit right after it.
@@ -154,6 +157,9 @@ class Scheduler:
             raise ValueError(f"request {rid} must be new (waiting, no outputs, nothing computed)")
         if request.n > self.config.max_num_seqs:
             raise ValueError(f"request {rid}: n ({request.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
+        if request.n > 1 and not self.kv_cache.supports_forks:
+            raise ValueError(f"request {rid}: n > 1 needs kv_layout='paged' (forked samples share pages, "
+                             "which the contiguous layout cannot)")
         total = request.num_prompt_tokens + request.max_tokens
         max_len = self.config.max_model_len
         if max_len is not None and total > max_len:
@@ -161,12 +167,10 @@ class Scheduler:
                 f"request {rid}: prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) "
                 f"= {total} exceeds max_model_len ({max_len})"
             )
-        bs = self.block_size
-        if -(-total // bs) > self.kv_cache.num_blocks:
-            raise ValueError(
-                f"request {rid}: prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) "
-                f"= {total} tokens needs {-(-total // bs)} KV blocks of {bs}; the pool has {self.kv_cache.num_blocks}"
-            )
+        problem = self.kv_cache.fit_error(total)
+        if problem is not None:
+            raise ValueError(f"request {rid}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                             f"({request.max_tokens}) = {total} tokens {problem}")
         if self.connector is not None:
             self.connector.validate_request(request)
         elif request.kv_transfer_params is not None:
@@ -177,6 +181,7 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self.kv_cache.begin_step()
         step = _Step(self._budget())
         if self._wants_prefill_step():
             self._schedule_waiting(step)

@@ -13,6 +13,7 @@ import itertools
 
 import numpy as np
 
+from ..core.kv_cache_manager import KVCacheManager
 from .llm_engine import LLMEngine
 
 # One character per block in a frame's map, in increasing precedence.
@@ -85,6 +86,27 @@ class DashboardFeed:
         if fingerprint == self._last_fingerprint:
             return None
         self._last_fingerprint = fingerprint
+        if engine.kv_store is not None:
+            # The contiguous layout has no block pool to draw: its regions are listed as sequences.
+            blocks = {"state": "", "owner": [], "ref": []}
+            seqs = [{"id": rid, "tokens": n, "blocks": len(ids)} for rid, (ids, n) in kv.block_tables().items()]
+        else:
+            blocks, seqs = self._block_map(kv)
+        steps, self._steps = self._steps, []
+        return {
+            "frame": next(self._frame_ids),
+            "num_steps": self._num_steps,
+            "block_size": kv.block_size,
+            "blocks": blocks,
+            "seqs": seqs,
+            "requests": self._requests(engine),
+            "steps": steps,
+            "stats": engine.stats(),
+            "speculating": engine.speculate,
+        }
+
+    def _block_map(self, kv: KVCacheManager) -> tuple[dict, list[dict]]:
+        """The paged pool's block map (state, owner, ref count per block) and its sequences."""
         pool = kv.pool
         ref = np.frombuffer(pool.ref_counts(), dtype=np.intc)
         code = np.where(ref > 1, 3, np.where(ref > 0, 2, 0)).astype(np.uint8)
@@ -99,18 +121,7 @@ class DashboardFeed:
         for i, (request_id, (block_ids, num_tokens)) in enumerate(kv.block_tables().items()):
             owner[np.frombuffer(block_ids, dtype=np.intc)] = i
             seqs.append({"id": request_id, "tokens": num_tokens, "blocks": len(block_ids)})
-        steps, self._steps = self._steps, []
-        return {
-            "frame": next(self._frame_ids),
-            "num_steps": self._num_steps,
-            "block_size": kv.block_size,
-            "blocks": {"state": _CODES[code].tobytes().decode(), "owner": owner.tolist(), "ref": ref.tolist()},
-            "seqs": seqs,
-            "requests": self._requests(engine),
-            "steps": steps,
-            "stats": engine.stats(),
-            "speculating": engine.speculate,
-        }
+        return {"state": _CODES[code].tobytes().decode(), "owner": owner.tolist(), "ref": ref.tolist()}, seqs
 
     def _requests(self, engine: LLMEngine) -> list[dict]:
         scheduler = engine.scheduler

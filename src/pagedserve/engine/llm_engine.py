@@ -36,6 +36,7 @@ from ..sampling_state import SamplingState
 from ..spec_decode.metrics import SpecDecodeStats
 from ..structured_output.backend import Matcher
 from ..structured_output.manager import StructuredOutputManager
+from ..worker.contiguous_kv import build_contiguous_kv
 from ..worker.draft_model import draft_kv, load_draft
 from ..worker.model_runner import ModelRunner, RunnerOutput
 from ..worker.sampler import LogprobsTensors
@@ -131,6 +132,8 @@ class LLMEngine:
         if (placement.on_gpu and config.max_num_batched_tokens is None and config.latency_target() is None
                 and chunks_prefill(config.policy, config.enable_chunked_prefill)):
             config = self.config = replace(config, max_num_batched_tokens=GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        if placement.on_gpu and config.kv_layout == "contiguous":
+            raise ValueError("kv_layout='contiguous' maps host memory; use kv_layout='paged' on cuda")
         if config.tensor_parallel_size > 1:
             if loaded is not None:
                 raise ValueError("tensor_parallel_size > 1 loads each rank's shard itself; pass no loaded model")
@@ -170,17 +173,24 @@ class LLMEngine:
         if self.tp is not None:
             self.tp.start(plan.num_blocks, config.block_size, config.kv_cache_dtype)
         sched_config = config.scheduler_config(self.max_model_len)
+        cache_config = config.cache_config(plan.num_blocks)
+        # The contiguous layout: a demand-paged mapping (runner) and its page accounting (scheduler).
+        self.kv_store, kv_manager = build_contiguous_kv(
+            mc, cache_config, config.kv_cache_memory or default_kv_cache_memory(), self.max_model_len,
+            config.max_num_seqs, config.kv_cache_dtype) if config.kv_layout == "contiguous" else (None, None)
         self.kv_connector, connector_scheduler = _kv_connector(config)
-        self.scheduler = Scheduler(sched_config, config.cache_config(plan.num_blocks),
-                                   self._step_budget(sched_config.max_num_batched_tokens), connector_scheduler)
+        self.scheduler = Scheduler(sched_config, cache_config, self._step_budget(sched_config.max_num_batched_tokens),
+                                   connector_scheduler, kv_cache=kv_manager)
+        backend = default_backend_name(self.kernels, placement.device.type, config.kv_layout)
         self.runner = ModelRunner(
             self.loaded.model, plan, config.max_num_seqs, self.max_model_len,
             eos_token_ids=tuple(self.tokenizer.stop_token_ids),
-            attention_backend=config.attention_backend or default_backend_name(self.kernels, placement.device.type),
+            attention_backend=config.attention_backend or backend,
             speculative=spec, draft=draft.model if draft is not None else None,
             kv_cache_dtype=config.kv_cache_dtype, peers=self.tp, kv_connector=self.kv_connector,
             device=placement.device, decode_graphs="cuda" if placement.on_gpu and not config.enforce_eager else None,
             max_cudagraph_batch=config.max_cudagraph_batch, model_dtype=placement.torch_dtype,
+            kv_caches=self.kv_store.kv_caches if self.kv_store is not None else None,
         )
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec is not None else None
         self.structured_outputs = StructuredOutputManager(self.tokenizer, mc.vocab_size)

@@ -8,6 +8,7 @@ import math
 
 from ..config import parse_memory
 from ..core.config import POLICIES
+from ..core.contiguous_kv import KV_LAYOUTS, PAGE_SIZE
 from ..workload.datasets import add_dataset_args, dataset_from_args
 from ..workload.metrics import summary_columns
 from .cost_model import DTYPE_BYTES, DTYPES
@@ -49,6 +50,10 @@ def add_sim_parser(sub) -> None:
                    help="add a 'chunked@target' row: each step's budget chosen to keep ITL under this")
     p.add_argument("--ttft-target-ms", type=float, default=None,
                    help="with no decode running, a step may take this long (default: up to the cap)")
+    p.add_argument("--kv-layout", choices=KV_LAYOUTS, default="paged",
+                   help="contiguous: a demand-paged region per request, budgeted in pages (no prefix caching)")
+    p.add_argument("--page-size", type=parse_memory, default=PAGE_SIZE,
+                   help="the contiguous layout's commit unit (4 KiB CPU pages; CUDA's VMM maps 2 MiB)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", metavar="DIR", help="write timeline and ITL PNGs here")
     add_dataset_args(p)
@@ -79,12 +84,14 @@ def cmd_sim(args: argparse.Namespace) -> int:
                         args.gpu_memory_utilization, args.kv_cache_memory, args.enable_prefix_caching)
     requests = dataset_from_args(args)
     slo = SLO(args.goodput_ttft_ms / 1e3, args.goodput_itl_ms / 1e3)
-    results = {p: simulate(requests, sc.cost, sc.sim_config(p, args.concurrency, args.request_rate, args.seed))
+    results = {p: simulate(requests, sc.cost, sc.sim_config(p, args.concurrency, args.request_rate, args.seed,
+                                                            kv_layout=args.kv_layout, page_size=args.page_size))
                for p in policies}
     budgets = {p: sc.budget(p) for p in policies}
     if args.itl_target_ms is not None or args.ttft_target_ms is not None:
         results[TARGET_ROW] = simulate(requests, sc.cost, sc.sim_config(
-            "chunked", args.concurrency, args.request_rate, args.seed, args.itl_target_ms, args.ttft_target_ms))
+            "chunked", args.concurrency, args.request_rate, args.seed, args.itl_target_ms, args.ttft_target_ms,
+            args.kv_layout, args.page_size))
         budgets[TARGET_ROW] = f"itl {args.itl_target_ms} ms, ttft {args.ttft_target_ms} ms, cap {sc.target_cap()}"
     summaries = {p: r.summary(slo) for p, r in results.items()}
     plan = sc.plan
@@ -93,7 +100,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         "kv_cache_dtype": sc.cost.kv_dtype, "tp": args.tp, "num_blocks": plan.num_blocks,
         "kv_pool_gib": plan.kv_pool_bytes / 2**30, "weights_gib": plan.weight_bytes / 2**30,
         "kv_pool_tokens": plan.num_tokens, "max_model_len": sc.max_model_len,
-        "budgets": budgets, "concurrency": args.concurrency,
+        "budgets": budgets, "concurrency": args.concurrency, "kv_layout": args.kv_layout,
         "dataset": args.dataset_name, "num_prompts": len(requests),
     }
     if args.plot:
@@ -105,7 +112,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
         return 0
     print(f"{args.model} ({args.dtype} weights, {sc.cost.kv_dtype} KV, tp={args.tp}) on {args.hardware}: "
           f"weights {plan.weight_bytes / 2**30:.1f} GiB/GPU, KV pool {plan.kv_pool_bytes / 2**30:.2f} GiB = "
-          f"{plan.num_blocks:,} blocks x {plan.block_size} = {plan.num_tokens:,} tokens; max_model_len {sc.max_model_len:,}")
+          f"{plan.num_blocks:,} blocks x {plan.block_size} = {plan.num_tokens:,} tokens; max_model_len {sc.max_model_len:,}"
+          + (f"; contiguous layout, {args.page_size:,} B pages, no prefix caching" if args.kv_layout == "contiguous" else ""))
     print(f"workload: {args.dataset_name}, {len(requests)} requests, concurrency {args.concurrency or 'unlimited'}, "
           f"rate {args.request_rate}/s; budgets {setup['budgets']}")
     header = f"{'policy':<15}" + "".join(f"{name:>15}" for name, _, _ in SUMMARY_COLUMNS)
@@ -238,6 +246,9 @@ def add_kv_parser(sub) -> None:
     w.add_argument("--max-len", type=int, default=8192)
     w.add_argument("--block-size", type=int, default=16)
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--stream-bytes", type=int, default=768,
+                   help="one token of one layer's K: kv_heads x head_dim x dtype bytes (768: SmolLM2, fp32)")
+    w.add_argument("--page-size", type=parse_memory, default=PAGE_SIZE, help="the demand-paged commit unit")
     w.add_argument("--json", action="store_true")
     w.set_defaults(func=cmd_kv_waste)
 
@@ -260,7 +271,8 @@ def cmd_kv_size(args: argparse.Namespace) -> int:
 def cmd_kv_waste(args: argparse.Namespace) -> int:
     from .kv_calc import waste
 
-    r = waste(args.requests, args.mean, args.std, args.max_len, args.block_size, args.seed)
+    r = waste(args.requests, args.mean, args.std, args.max_len, args.block_size, args.seed, args.stream_bytes,
+              args.page_size)
     print(json.dumps(r.to_dict(), indent=2) if args.json else r.explain())
     return 0
 

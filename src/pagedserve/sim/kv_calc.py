@@ -62,6 +62,11 @@ class WasteResult:
     used_tokens: int
     contiguous_reserved: int
     paged_reserved: int
+    # (c) demand-paged contiguous regions (vAttention): each layer's K and V commit pages of
+    # page_size bytes, stream_bytes per token; in token slots (a float: pages are not whole tokens).
+    stream_bytes: int = 768
+    page_size: int = 4096
+    demand_paged_reserved: float = 0.0
 
     @property
     def contiguous_waste(self) -> float:
@@ -71,9 +76,18 @@ class WasteResult:
     def paged_waste(self) -> float:
         return 1 - self.used_tokens / self.paged_reserved
 
+    @property
+    def demand_paged_waste(self) -> float:
+        return 1 - self.used_tokens / self.demand_paged_reserved
+
+    @property
+    def tokens_per_page(self) -> float:
+        return self.page_size / self.stream_bytes
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(contiguous_waste=self.contiguous_waste, paged_waste=self.paged_waste,
+                 demand_paged_waste=self.demand_paged_waste, tokens_per_page=self.tokens_per_page,
                  mean_len=self.used_tokens / self.num_requests)
         return d
 
@@ -87,18 +101,28 @@ class WasteResult:
             f" = {self.paged_reserved:,} slots",
             f"    waste = 1 - {used:,} / {self.paged_reserved:,} = {100 * self.paged_waste:.2f}%"
             f"  (expected about (block_size - 1) / 2 / mean_len = {100 * (self.block_size - 1) / 2 / (used / n):.2f}%)",
+            f"(c) demand-paged contiguous: each layer's K and V commit {self.page_size:,} B pages as tokens arrive;"
+            f" a page holds {self.page_size:,} / {self.stream_bytes:,} = {self.tokens_per_page:.2f} tokens of one"
+            f" stream = {self.demand_paged_reserved:,.0f} slots",
+            f"    waste = 1 - {used:,} / {self.demand_paged_reserved:,.0f} = {100 * self.demand_paged_waste:.2f}%"
+            f"  ({'finer' if self.tokens_per_page < self.block_size else 'coarser'} than {self.block_size}-token blocks)",
         ])
 
 
 def waste(num_requests: int, mean: float, std: float, max_len: int, block_size: int = 16,
-          seed: int = 0) -> WasteResult:
+          seed: int = 0, stream_bytes: int = 768, page_size: int = 4096) -> WasteResult:
     """Lengths ~ Normal(mean, std) rounded and clipped to [1, max_len]; each request's slots are
-    reserved whole (contiguous) or in blocks as its tokens arrive (paged)."""
-    for name, v in (("requests", num_requests), ("max_len", max_len), ("block_size", block_size)):
+    reserved whole (contiguous), in blocks as its tokens arrive (paged), or in pages of each
+    layer's K and V as they arrive (demand-paged contiguous; stream_bytes: one token of one
+    layer's K, 768 for SmolLM2 in fp32)."""
+    for name, v in (("requests", num_requests), ("max_len", max_len), ("block_size", block_size),
+                    ("stream_bytes", stream_bytes), ("page_size", page_size)):
         require_int(name, v, 1)
     if not 0 < mean <= max_len or std < 0:
         raise ValueError(f"mean must be in (0, max_len={max_len}] and std >= 0; got mean={mean}, std={std}")
     rng = random.Random(seed)
     lengths = [min(max_len, max(1, round(rng.gauss(mean, std)))) for _ in range(num_requests)]
     paged = sum(math.ceil(x / block_size) * block_size for x in lengths)
-    return WasteResult(num_requests, max_len, block_size, sum(lengths), num_requests * max_len, paged)
+    demand = sum(-(-x * stream_bytes // page_size) for x in lengths) * page_size / stream_bytes
+    return WasteResult(num_requests, max_len, block_size, sum(lengths), num_requests * max_len, paged,
+                       stream_bytes, page_size, demand)

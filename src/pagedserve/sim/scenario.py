@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from ..core.config import MIN_WHOLE_PROMPT_BUDGET, whole_prompt_budget
+from ..core.contiguous_kv import PAGE_SIZE, ContiguousLayout, check_kv_layout, plan_contiguous
 from ..model.config import ModelConfig
 from .cost_model import CostModel
 from .hardware import Hardware, get_hardware
@@ -39,16 +40,25 @@ class Scenario:
         cap is large enough for a wave of prompts in one step (vLLM's 2,048)."""
         return max(self.max_num_batched_tokens, MIN_WHOLE_PROMPT_BUDGET)
 
+    def contiguous_layout(self, page_size: int = PAGE_SIZE) -> ContiguousLayout:
+        """The contiguous KV layout over the same memory: a region per seat, each layer's K
+        and V (on one GPU's share of the KV heads) committed page by page."""
+        streams = 2 * self.model.num_layers
+        return plan_contiguous(self.plan.kv_pool_bytes, self.max_model_len, self.max_num_seqs, self.block_size,
+                               round(self.plan.kv_bytes_per_token / streams), streams, page_size)
+
     def sim_config(self, policy: str, concurrency: int | None = None, request_rate: float = math.inf,
                    seed: int = 0, itl_target_ms: float | None = None,
-                   ttft_target_ms: float | None = None) -> SimConfig:
+                   ttft_target_ms: float | None = None, kv_layout: str = "paged",
+                   page_size: int = PAGE_SIZE) -> SimConfig:
         targeted = itl_target_ms is not None or ttft_target_ms is not None
+        contiguous = self.contiguous_layout(page_size) if check_kv_layout(kv_layout) == "contiguous" else None
         return SimConfig(policy=policy, num_blocks=self.plan.num_blocks, block_size=self.block_size,
                          max_num_seqs=self.max_num_seqs,
                          max_num_batched_tokens=self.target_cap() if targeted else self.budget(policy),
                          max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
                          concurrency=concurrency, request_rate=request_rate, seed=seed,
-                         itl_target_ms=itl_target_ms, ttft_target_ms=ttft_target_ms)
+                         itl_target_ms=itl_target_ms, ttft_target_ms=ttft_target_ms, contiguous=contiguous)
 
 
 def build_scenario(model: str, hardware: str, dtype: str = "bf16", kv_cache_dtype: str | None = None,

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..core import CacheConfig, Request, Scheduler, SchedulerConfig
+from ..core.contiguous_kv import ContiguousKVCacheManager, ContiguousLayout
 from ..core.step_budget import LatencyTarget, StepBudget
 from ..core.validation import is_int
 from ..workload.datasets import BenchRequest
@@ -42,6 +43,9 @@ class SimConfig:
     # fixed max_num_batched_tokens, which then is the cap.
     itl_target_ms: float | None = None
     ttft_target_ms: float | None = None
+    # The contiguous KV layout's regions and page budget; None: the paged pool of num_blocks.
+    # It has no prefix cache, so enable_prefix_caching does not apply.
+    contiguous: ContiguousLayout | None = None
 
     def __post_init__(self) -> None:
         if self.concurrency is not None and (not is_int(self.concurrency) or self.concurrency < 1):
@@ -62,13 +66,15 @@ class SimConfig:
             target = LatencyTarget(ms_to_s(self.itl_target_ms), ms_to_s(self.ttft_target_ms))
             cap = self.max_num_batched_tokens
             budget = StepBudget(cost.step_time_model(cap), target, cap)
+        cache = CacheConfig(num_blocks=self.num_blocks, block_size=self.block_size,
+                            enable_prefix_caching=self.enable_prefix_caching and self.contiguous is None)
         return Scheduler(
             SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
                             max_model_len=self.max_model_len, policy=self.policy,
                             long_prefill_token_threshold=self.long_prefill_token_threshold),
-            CacheConfig(num_blocks=self.num_blocks, block_size=self.block_size,
-                        enable_prefix_caching=self.enable_prefix_caching),
-            budget,
+            cache, budget,
+            # No OS here: the page arithmetic is the committed figure.
+            kv_cache=ContiguousKVCacheManager(cache, self.contiguous, None) if self.contiguous is not None else None,
         )
 
 

@@ -84,10 +84,13 @@ class ModelRunner:
         decode_graphs: str | None = None,
         max_cudagraph_batch: int | None = None,
         model_dtype: torch.dtype = torch.float32,
+        kv_caches: list[torch.Tensor] | None = None,
     ):
         """`device`: where the model's weights are (default cpu). `decode_graphs`: None (eager),
         "cuda" (CUDA graphs) or "eager" (the same bucketing and padding, replayed eagerly: tests).
-        `model_dtype`: the activations' dtype, which kv_cache_dtype "auto" stores."""
+        `model_dtype`: the activations' dtype, which kv_cache_dtype "auto" stores. `kv_caches`:
+        per-layer caches made elsewhere (the contiguous layout's mapping); None allocates the
+        paged pool the plan sizes."""
         self.model = model
         self.peers = peers
         self.device = device = device or torch.device("cpu")
@@ -102,8 +105,8 @@ class ModelRunner:
         # Decode graphs pad their batch with rows in a dummy block past the pool (id num_blocks).
         num_dummy = 1 if decode_graphs is not None else 0
         dtype = kv_cache_torch_dtype(kv_cache_dtype, auto=model_dtype)
-        self.kv_caches = allocate_kv_caches(model, kv_plan.num_blocks + num_dummy, bs, dtype, num_scratch,
-                                            self_layers or 0, device=device)
+        self.kv_caches = kv_caches if kv_caches is not None else allocate_kv_caches(
+            model, kv_plan.num_blocks + num_dummy, bs, dtype, num_scratch, self_layers or 0, device=device)
         # One pinned host-to-device copy per step off the CPU; on CPU the inputs stay as built.
         self._device_inputs = DeviceInputs(device) if device.type != "cpu" else None
         self.backend = get_backend(attention_backend)

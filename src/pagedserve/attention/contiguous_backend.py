@@ -1,0 +1,127 @@
+"""Attention over the contiguous KV layout: each sequence's K/V is one contiguous view.
+
+Under the contiguous layout (worker/contiguous_kv.py) a sequence's blocks are consecutive
+in the layer's cache, so its first block id is a base pointer and positions
+0 .. seq_len - 1 are the rows base .. base + seq_len - 1 of the flattened cache. Nothing
+is gathered and no block table is walked:
+
+- a decode (one query token) is one flash-attention call over the view of its whole
+  context (its own new K/V was just written there);
+- any longer query (speculative verification, prefill chunks) attends causally to its
+  own K/V and, unmasked, to the view of its earlier context, merged by log-sum-exp
+  (cpu_backend.attend_chunk, with a view in place of a gather).
+
+`NativeContiguousAttention` sends the short queries to the native paged op instead: given
+tables of consecutive blocks it reads each context as one sequential stream, with all
+short queries of the step in one parallel call (the per-sequence torch calls cost
+~0.1 ms each per layer). docs/kv-layouts.md has the measurements.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import native_unavailable_reason
+from .backend import check_step, write_kv
+from .cpu_backend import PREFILL_MIN_QUERY_LEN, attend_chunk
+from .metadata import AttentionMetadata
+
+
+@dataclass(slots=True)
+class ContiguousStepPlan:
+    meta: AttentionMetadata
+    # Per sequence with new tokens: (first q row, query_len, seq_len, first cache row).
+    short: list[tuple[int, int, int, int]]
+    chunks: list[tuple[int, int, int, int]]
+    short_seqs: torch.Tensor  # int64: the indices of the short ones
+
+
+def plan_step(meta: AttentionMetadata, short_below: int) -> ContiguousStepPlan:
+    """Sequences with queries shorter than short_below go to the backend's short path."""
+    starts = meta.query_start_loc.tolist()
+    bases = (meta.block_tables[:, 0] * meta.block_size).tolist() if meta.num_seqs else []
+    short, chunks, short_seqs = [], [], []
+    for i, (qlen, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        if qlen > seq_len:
+            raise ValueError(f"sequence {i}: query_len {qlen} exceeds seq_len {seq_len}")
+        if qlen == 0:
+            continue
+        item = (starts[i], qlen, seq_len, bases[i])
+        if qlen < short_below:
+            short.append(item)
+            short_seqs.append(i)
+        else:
+            chunks.append(item)
+    return ContiguousStepPlan(meta, short, chunks, torch.tensor(short_seqs, dtype=torch.int64))
+
+
+class ContiguousAttention:
+    """The contiguous layout on torch kernels: decodes are its short queries."""
+
+    name = "contiguous"
+    short_below = 2
+
+    def __init__(self) -> None:
+        self._plan: ContiguousStepPlan | None = None
+
+    def prepare(self, meta: AttentionMetadata) -> ContiguousStepPlan:
+        if self._plan is None or self._plan.meta is not meta:
+            self._plan = plan_step(meta, self.short_below)
+        return self._plan
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        check_step(q, kv_cache, meta)
+        plan = self.prepare(meta)
+        self._write(k, v, kv_cache, meta)
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])  # [2, slots, kv_heads, head_dim]
+        self._attend_short(plan, q, kv_cache, flat, out, scale)
+        for start, qlen, seq_len, base in plan.chunks:
+            context = _fp32(flat[:, base : base + seq_len - qlen]) if seq_len > qlen else None
+            attend_chunk(start, qlen, q, k, v, context, kv_cache.dtype, out, scale)
+        return out
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+
+    def _attend_short(self, plan: ContiguousStepPlan, q: torch.Tensor, kv_cache: torch.Tensor, flat: torch.Tensor,
+                      out: torch.Tensor, scale: float) -> None:
+        num_kv_heads, head_dim = flat.shape[-2], flat.shape[-1]
+        for start, _, seq_len, base in plan.short:
+            kv = _fp32(flat[:, base : base + seq_len])
+            # The query heads of a KV head become rows of that head: [1, kv_heads, heads_per_kv, head_dim].
+            queries = q[start].view(1, num_kv_heads, -1, head_dim)
+            attended = F.scaled_dot_product_attention(
+                queries, kv[0].transpose(0, 1).unsqueeze(0), kv[1].transpose(0, 1).unsqueeze(0), scale=scale)
+            out[start] = attended.reshape(-1)
+
+
+class NativeContiguousAttention(ContiguousAttention):
+    """Every query below PREFILL_MIN_QUERY_LEN through the native op over consecutive
+    tables, in one call per layer; long chunks as above."""
+
+    name = "contiguous-native"
+    short_below = PREFILL_MIN_QUERY_LEN
+
+    def __init__(self) -> None:
+        reason = native_unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"the contiguous-native attention backend cannot run: {reason}")
+        super().__init__()
+
+    def _write(self, k, v, kv_cache, meta) -> None:
+        torch.ops.pagedserve.write_kv_(kv_cache, k, v, meta.slot_mapping)
+
+    def _attend_short(self, plan, q, kv_cache, flat, out, scale) -> None:
+        if plan.short:
+            meta = plan.meta
+            torch.ops.pagedserve.paged_attention_(
+                out, q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, plan.short_seqs, scale)
+
+
+def _fp32(kv: torch.Tensor | None) -> torch.Tensor | None:
+    """A narrow cache's rows as fp32 (a copy of just those rows); fp32 ones as they are."""
+    return kv if kv is None or kv.dtype == torch.float32 else kv.float()
