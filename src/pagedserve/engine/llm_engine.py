@@ -24,6 +24,7 @@ from ..core.step_budget import StepBudget
 from ..kernels import resolve_kernels
 from ..model.config import ModelConfig
 from ..model.loader import LoadedModel, load_model
+from ..model.lora import LoRASlots
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 from ..sampling_params import SamplingParams
 from ..sampling_state import SamplingState
@@ -34,6 +35,7 @@ from ..worker.draft_model import draft_kv, load_draft
 from ..worker.model_runner import ModelRunner, RunnerOutput
 from ..worker.sampler import LogprobsTensors
 from .detokenizer import IncrementalDetokenizer
+from .lora_registry import LoRAModule, LoRARegistry
 from .step_timing import step_time_model
 
 logger = logging.getLogger(__name__)
@@ -74,6 +76,7 @@ class _Tracked:
     sequences: dict[int, _Sequence] = field(default_factory=dict)
     num_finished: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # filled by position as prefill runs
+    lora_id: int = 0
 
     @property
     def finished(self) -> bool:
@@ -108,6 +111,7 @@ class LLMEngine:
         spec = config.speculative_config
         draft = load_draft(self.loaded, spec, self.kernels)
         plan = _plan_kv_cache(config, mc, draft)
+        lora_slots = LoRASlots(mc, config.max_loras, config.max_lora_rank) if config.enable_lora else None
         sched_config = config.scheduler_config(self.max_model_len)
         self.scheduler = Scheduler(sched_config, config.cache_config(plan.num_blocks),
                                    self._step_budget(sched_config.max_num_batched_tokens))
@@ -116,8 +120,11 @@ class LLMEngine:
             eos_token_ids=tuple(self.tokenizer.stop_token_ids),
             attention_backend=config.attention_backend or default_backend_name(self.kernels),
             speculative=spec, draft=draft.model if draft is not None else None,
-            kv_cache_dtype=config.kv_cache_dtype,
+            kv_cache_dtype=config.kv_cache_dtype, lora_slots=lora_slots,
         )
+        self.loras = LoRARegistry(lora_slots, mc) if lora_slots is not None else None
+        for name, path in config.lora_modules.items():
+            self.add_lora(name, path)
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec is not None else None
         self.structured_outputs = StructuredOutputManager(self.tokenizer, mc.vocab_size)
         self._tracked: dict[str, _Tracked] = {}
@@ -156,9 +163,12 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> str:
-        """Validate, tokenize and queue a request; raise ValueError if it can never run."""
+        """Validate, tokenize and queue a request; raise ValueError if it can never run.
+        `lora_name` runs it under that loaded LoRA adapter (None: the base model)."""
         params = params or SamplingParams()
+        lora_id = self._lora(lora_name).lora_id if lora_name is not None else 0
         params.validate_for_vocab(self.loaded.config.vocab_size)
         if isinstance(prompt, str):
             prompt_text, prompt_ids = prompt, self.tokenizer.encode(prompt)
@@ -197,13 +207,14 @@ class LLMEngine:
             stop_token_ids=frozenset(params.stop_token_ids) | (self.tokenizer.stop_token_ids if not params.ignore_eos else frozenset()),
             ignore_eos=params.ignore_eos,
             cache_salt=cache_salt,
+            lora_id=lora_id,
             skip_prefix_cache=params.prompt_logprobs is not None,
             sampling=SamplingState.for_request(params, matchers),
         )
         self.scheduler.add_request(request)
         self._tracked[rid] = _Tracked(rid, prompt_text, prompt_ids, params, RequestMetrics(request.arrival_time),
                                       prompt_logprobs=[None] * len(prompt_ids) if params.prompt_logprobs is not None
-                                      else None)
+                                      else None, lora_id=lora_id)
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -211,6 +222,31 @@ class LLMEngine:
         tracked = self._tracked.pop(request_id, None)
         self.scheduler.abort(request_id)
         return tracked is not None
+
+    # -- LoRA adapters ------------------------------------------------------------------
+
+    def add_lora(self, name: str, path: str) -> LoRAModule:
+        """Load a PEFT adapter from `path` under `name`, between steps; ValueError if it cannot be."""
+        if self.loras is None:
+            raise ValueError("LoRA is not enabled (start the engine with enable_lora)")
+        return self.loras.load(name, path)
+
+    def remove_lora(self, name: str) -> LoRAModule:
+        """Unload an adapter. Refused (ValueError) while a request that runs it is unfinished:
+        its next step would have no weights."""
+        module = self._lora(name)
+        users = sum(1 for t in self._tracked.values() if t.lora_id == module.lora_id)
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} has {users} unfinished requests; unload it after they finish")
+        return self.loras.unload(name)
+
+    def list_loras(self) -> list[LoRAModule]:
+        return self.loras.modules() if self.loras is not None else []
+
+    def _lora(self, name: str) -> LoRAModule:
+        if self.loras is None:
+            raise ValueError(f"LoRA is not enabled, so there is no adapter {name!r} (start with enable_lora)")
+        return self.loras.get(name)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

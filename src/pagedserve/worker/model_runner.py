@@ -27,6 +27,7 @@ from ..core.kv_plan import KVCachePlan
 from ..core.outputs import ScheduledRequest, SchedulerOutput
 from ..core.request import Request
 from ..model.llama import LlamaModel
+from ..model.lora import LoRABatch, LoRASlots
 from ..spec_decode.config import SpeculativeConfig
 from ..spec_decode.ngram import NgramProposer
 from .block_table import BlockTableRows
@@ -49,6 +50,8 @@ class StepInputs:
     first_logits_row: np.ndarray
     # Rows that want prompt logprobs; their logits rows follow the sampling ones.
     prompt_logprobs: PromptLogprobsPlan | None = None
+    # Tokens that run a LoRA adapter, by slot; None when every row is the base model's.
+    lora: LoRABatch | None = None
 
 
 class ModelRunner:
@@ -66,8 +69,11 @@ class ModelRunner:
         speculative: SpeculativeConfig | None = None,
         draft: LlamaModel | None = None,
         kv_cache_dtype: str = "auto",
+        lora_slots: LoRASlots | None = None,
     ):
         self.model = model
+        # The loaded LoRA adapters' stacked weights (None: LoRA is off).
+        self.lora_slots = lora_slots
         self.block_size = bs = kv_plan.block_size
         self_layers = speculative.self_draft_layers if speculative is not None else None
         # Scratch blocks (ids num_blocks and up) belong to the runner, not the pool: a
@@ -141,6 +147,11 @@ class ModelRunner:
         within = np.arange(cu_samples[-1]) - np.repeat(cu_samples[:-1], num_samples)
         logits_indices = np.repeat(cu[1:] - 1 - num_drafts, num_samples) + within * np.repeat(num_drafts > 0, num_samples)
         sampling = [s for s, k in zip(sched, num_samples.tolist()) if k]
+        lora = None
+        if self.lora_slots is not None and self.lora_slots.slot_of:
+            slot_of = self.lora_slots.slot_of
+            row_slots = np.fromiter((slot_of.get(s.request.lora_id, -1) for s in sched), np.int64, len(sched))
+            lora = self.lora_slots.batch(np.repeat(row_slots, num_new))
         prompt_plan = plan_prompt_logprobs(sched, cu[:-1])
         if prompt_plan is not None:
             logits_indices = np.concatenate([logits_indices, prompt_plan.logits_indices])
@@ -162,6 +173,7 @@ class ModelRunner:
             sampling=sampling,
             first_logits_row=cu_samples[:-1][num_samples > 0],
             prompt_logprobs=prompt_plan,
+            lora=lora,
         )
 
     @torch.inference_mode()
@@ -176,7 +188,8 @@ class ModelRunner:
         inputs = self.prepare_inputs(out)
         self.backend.prepare(inputs.meta)
         logits = self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend, inputs.logits_indices
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend, inputs.logits_indices,
+            inputs.lora,
         )
         if self._drafter is not None and self._drafter.needs_catch_up:
             self._drafter.catch_up(inputs.input_ids, inputs.positions, inputs.meta)
