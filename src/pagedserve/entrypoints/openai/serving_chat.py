@@ -69,7 +69,8 @@ class ChatServing(OpenAIServing):
             except ValueError as e:  # min_tokens beyond the room the prompt left
                 raise bad_request(e) from None
         stream = await self.start(seat, [
-            GenerationRequest(request_id, prompt_ids, params, arrival, req.priority, req.cache_salt)
+            GenerationRequest(request_id, prompt_ids, params, arrival, req.priority, req.cache_salt,
+                              self.lora_of(req.model))
         ])
         return stream, params, len(prompt_ids)
 

@@ -37,7 +37,8 @@ class CompletionServing(OpenAIServing):
                 self.room_for_output(len(p.token_ids), params.max_tokens)
             ids = [f"{meta.id}-{i}" for i in range(len(prepared))]
             stream = await self.start(seat, [
-                GenerationRequest(rid, p.token_ids, params, arrival, req.priority, req.cache_salt)
+                GenerationRequest(rid, p.token_ids, params, arrival, req.priority, req.cache_salt,
+                                  self.lora_of(meta.model))
                 for rid, p in zip(ids, prepared)
             ])
             tracker = ChoiceTracker(ids, params.n, sum(len(p.token_ids) for p in prepared), keep_output=not req.stream)
