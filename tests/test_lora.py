@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REFERENCE_TEXTS
-from engine_utils import GREEDY, assert_all_blocks_free, make_llm
+from engine_utils import assert_all_blocks_free, make_llm
 from model_utils import BLOCK_SIZE, new_kv_caches, step_metadata
 from pagedserve import SamplingParams
 from pagedserve.attention.selector import default_backend_name, get_backend
@@ -38,6 +38,7 @@ ADAPTERS = {
     "wide": (32, 32, ("q_proj",), False),
 }
 SERVED = ("all8", "qv4", "mlp16")
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [REFERENCE_TEXTS[1], REFERENCE_TEXTS[3], REFERENCE_TEXTS[4]]
 
 

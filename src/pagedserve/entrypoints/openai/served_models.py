@@ -14,6 +14,9 @@ class ServedModels:
     def __init__(self, base_names: Sequence[str], adapters: Sequence[LoRAModule] = ()):
         self.base_names = tuple(base_names)
         self.adapters: dict[str, LoRAModule] = {m.name: m for m in adapters}
+        clash = set(self.base_names) & set(self.adapters)
+        if clash:
+            raise ValueError(f"LoRA adapter names {sorted(clash)} are also served model names")
 
     @property
     def names(self) -> list[str]:
