@@ -38,6 +38,8 @@ ADAPTERS = {
     "wide": (32, 32, ("q_proj",), False),
 }
 SERVED = ("all8", "qv4", "mlp16")
+# B's spread: large enough that each adapter changes greedy continuations.
+B_STD = 0.1
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [REFERENCE_TEXTS[1], REFERENCE_TEXTS[3], REFERENCE_TEXTS[4]]
 
@@ -51,7 +53,7 @@ def loaded():
 def adapter_paths(tmp_path_factory, loaded) -> dict[str, str]:
     root = tmp_path_factory.mktemp("adapters")
     return {name: str(write_random_adapter(root / name, loaded.config, rank=r, alpha=a, targets=t, seed=i,
-                                           use_rslora=rs))
+                                           use_rslora=rs, b_std=B_STD))
             for i, (name, (r, a, t, rs)) in enumerate(ADAPTERS.items())}
 
 
