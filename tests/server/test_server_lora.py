@@ -94,20 +94,21 @@ def test_model_picks_the_adapter_in_a_shared_batch(http):
 def test_load_and_unload_at_run_time(http, lora_server, adapters):
     assert httpx.post(lora_server.url + "/v1/load_lora_adapter",
                       json={"lora_name": "qv4", "lora_path": adapters["qv4"]}).status_code == 401
-    r = http.post("/v1/load_lora_adapter", json={"lora_name": "qv4", "lora_path": adapters["qv4"]})
-    assert r.status_code == 200, r.text
-    assert [m["id"] for m in http.get("/v1/models").json()["data"]][1:] == ["all8", "qv4"]
-    assert first_logprob(complete(http, "qv4")) != first_logprob(complete(http, None))
 
     def load_error(name: str, path: str) -> tuple[int, str]:
         r = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
         return r.status_code, r.json()["error"]["message"]
 
-    assert load_error("qv4", adapters["qv4"]) == (400, "the name 'qv4' is already served")
+    # One slot is free: these fail on the adapter itself.
     status, message = load_error("ghost", "/nonexistent/adapter")
     assert status == 400 and "is not a PEFT adapter folder" in message
     status, message = load_error("wide", adapters["wide"])
     assert status == 400 and "above max_lora_rank (16)" in message
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "qv4", "lora_path": adapters["qv4"]})
+    assert r.status_code == 200, r.text
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]][1:] == ["all8", "qv4"]
+    assert first_logprob(complete(http, "qv4")) != first_logprob(complete(http, None))
+    assert load_error("qv4", adapters["qv4"]) == (400, "the name 'qv4' is already served")
     status, message = load_error("mlp8", adapters["mlp8"])
     assert status == 400 and "max_loras (2)" in message
     assert http.post("/v1/load_lora_adapter", json={"lora_name": ""}).status_code == 400
