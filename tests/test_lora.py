@@ -27,7 +27,8 @@ from pagedserve.model.lora import LoRASlots, fused_shapes, load_peft_adapter
 
 # fp32 on both sides, as tests/test_model_reference.py (base model worst 6.8e-5 there);
 # the adapters' deltas add a few more products summed in another order. Observed worst
-# max |logit diff| 1.5e-4 over these prompts and adapters; hold 1e-3.
+# max |logit diff| 9.9e-5 over these prompts and adapters on 2026-12-01 (with B's spread
+# 0.02; the test prints it); hold 1e-3.
 LOGIT_ATOL = 1e-3
 # name -> (rank, alpha, targets, use_rslora): every projection; PEFT's usual q/v; the MLP
 # and o with rsLoRA scaling. "wide" is over the engine's max_lora_rank (16).
