@@ -108,6 +108,13 @@ class EngineConfig:
     kv_transfer_config: KVTransferConfig | dict | str | None = field(default=None, metadata={
         "help": 'disaggregated prefill/decode as JSON, e.g. \'{"kv_connector": "PagedServeConnector", '
                 '"kv_role": "kv_producer", "kv_port": 14579, "lease_seconds": 30}\' (see docs/disaggregated.md)'})
+    enable_lora: bool = field(default=False, metadata={
+        "help": "serve LoRA adapters (PEFT folders) beside the base model; a request's model names one"})
+    lora_modules: dict[str, str] | list[str] | None = field(default=None, metadata={
+        "help": "adapters to load at start, as NAME=PATH (a folder with adapter_config.json and "
+                "adapter_model.safetensors); needs --enable-lora"})
+    max_loras: int = field(default=4, metadata={"help": "most LoRA adapters loaded at once"})
+    max_lora_rank: int = field(default=16, metadata={"help": "largest LoRA rank an adapter may have"})
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
@@ -119,12 +126,22 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        self.lora_modules = parse_lora_modules(self.lora_modules)
+        for name in ("max_loras", "max_lora_rank"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        if len(self.lora_modules) > self.max_loras:
+            raise ValueError(f"lora_modules names {len(self.lora_modules)} adapters; max_loras is {self.max_loras}")
         if self.device != "auto":
             check_device_options(self.device, self.dtype, self.quantization, self.kernels)
         elif self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         self._check_kv_layout()
         if self.quantization not in ("none", "fp8") and self.kernels == "torch":
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 (the adapters are not sharded)")
             raise ValueError(f"quantization={self.quantization!r} runs on the native kernels; kernels='torch' has none")
         # Scheduler and cache fields are validated by core's SchedulerConfig / CacheConfig
         # when the engine builds them; only the engine's own fields are checked here.
@@ -240,6 +257,8 @@ class EngineConfig:
             elif f.name in ("model", "attention_backend", "speculative_config", "distributed_init_method",
                             "kv_transfer_config"):
                 parser.add_argument(flag, type=str, default=f.default, help=help_text)
+            elif f.name == "lora_modules":
+                parser.add_argument(flag, nargs="+", default=None, metavar="NAME=PATH", help=help_text)
             elif f.name in ("itl_target_ms", "ttft_target_ms", "gpu_memory_utilization"):
                 parser.add_argument(flag, type=float, default=f.default, help=help_text)
             elif f.name in ("policy", "scheduling_policy", "kernels", "quantization", "kv_cache_dtype", "device", "dtype",
@@ -257,6 +276,26 @@ class EngineConfig:
 
     def describe(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def parse_lora_modules(modules: dict[str, str] | list[str] | None) -> dict[str, str]:
+    """{name: path} from a dict or from NAME=PATH strings (the CLI's form)."""
+    if modules is None:
+        return {}
+    if isinstance(modules, dict):
+        items = list(modules.items())
+    elif isinstance(modules, (list, tuple)) and all(isinstance(m, str) for m in modules):
+        items = [m.partition("=")[::2] for m in modules]
+    else:
+        raise ValueError(f"lora_modules must be a dict of name -> path or a list of NAME=PATH, got {modules!r}")
+    out: dict[str, str] = {}
+    for name, path in items:
+        if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+            raise ValueError(f"lora_modules entries must be NAME=PATH with both parts non-empty, got {name!r}={path!r}")
+        if name in out:
+            raise ValueError(f"lora_modules names {name!r} twice")
+        out[name] = path
+    return out
 
 
 def _ms_to_s(ms: float | None) -> float | None:

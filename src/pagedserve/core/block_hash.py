@@ -4,7 +4,10 @@ H(block i) = sha256(H(block i-1) || tokens of block i as little-endian int64 || 
 
 The encoding is unambiguous without separators: the parent hash is always 32
 bytes, a block always holds block_size tokens of 8 bytes, and the optional extra
-key (the tenant's cache salt, first block only) is everything after them. A
+key (first block only) is everything after them: the LoRA adapter's id (a tag and
+8 bytes, when the request runs one) and then the tenant's cache salt. The adapter
+part comes first because it has a fixed length, so no salt can spell another
+adapter's key; the chain carries the first block's key into every later hash. A
 strong hash matters: a collision would silently serve another prompt's KV.
 Measured ~1 us per 16-token block (struct.pack + one sha256 over 160 bytes),
 about half the cost of pickling the same tuple.
@@ -20,6 +23,8 @@ from functools import lru_cache
 # exactly 32 parent bytes.
 ROOT_HASH = hashlib.sha256(b"pagedserve-kv-root").digest()
 _SALT_TAG = b"\x01salt:"
+_LORA_TAG = b"\x02lora:"
+_LORA_ID = struct.Struct("<q")
 
 
 @lru_cache(maxsize=None)
@@ -31,15 +36,23 @@ def salt_key(cache_salt: str | None) -> bytes:
     return b"" if cache_salt is None else _SALT_TAG + cache_salt.encode("utf-8")
 
 
+def first_block_key(cache_salt: str | None, lora_id: int = 0) -> bytes:
+    """The first block's extra key: the adapter (0: the base model adds nothing), then the salt."""
+    lora = _LORA_TAG + _LORA_ID.pack(lora_id) if lora_id else b""
+    return lora + salt_key(cache_salt)
+
+
 def hash_block(parent: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
     return hashlib.sha256(parent + _packer(len(token_ids)).pack(*token_ids) + extra).digest()
 
 
 def extend_block_hashes(
-    hashes: list[bytes], token_ids: Sequence[int], block_size: int, num_blocks: int, cache_salt: str | None
+    hashes: list[bytes], token_ids: Sequence[int], block_size: int, num_blocks: int, cache_salt: str | None,
+    lora_id: int = 0,
 ) -> list[bytes]:
     """Hash blocks len(hashes) .. num_blocks - 1 of `token_ids` in place; return `hashes`."""
     for i in range(len(hashes), num_blocks):
         block = token_ids[i * block_size : (i + 1) * block_size]
-        hashes.append(hash_block(hashes[i - 1], block) if i else hash_block(ROOT_HASH, block, salt_key(cache_salt)))
+        hashes.append(hash_block(hashes[i - 1], block) if i
+                      else hash_block(ROOT_HASH, block, first_block_key(cache_salt, lora_id)))
     return hashes

@@ -124,7 +124,7 @@ class KVCacheManager:
             return NO_HIT
         hashes = request.block_hashes
         if len(hashes) < max_blocks:
-            extend_block_hashes(hashes, request.all_token_ids, bs, max_blocks, request.cache_salt)
+            extend_block_hashes(hashes, request.all_token_ids, bs, max_blocks, request.cache_salt, request.lora_id)
         hit = []
         lookup = self.pool.lookup
         for i in range(max_blocks):
@@ -209,7 +209,8 @@ class KVCacheManager:
             return
         hashes = request.block_hashes
         if len(hashes) < num_full:
-            extend_block_hashes(hashes, request.all_token_ids, self.block_size, num_full, request.cache_salt)
+            extend_block_hashes(hashes, request.all_token_ids, self.block_size, num_full, request.cache_salt,
+                                request.lora_id)
         register = self.pool.register
         blocks = row.blocks
         for i in range(row.num_hashed_blocks, num_full):

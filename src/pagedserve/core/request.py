@@ -65,6 +65,9 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     cache_salt: str | None = None
+    # The LoRA adapter the request runs (0: the base model). An id names one load of an
+    # adapter and is never reused, so it keys the prefix cache (core/block_hash.py).
+    lora_id: int = 0
     # Compute the whole prompt even when the prefix cache holds some of it (prompt
     # logprobs need the logits of every prompt position; cached blocks have none).
     skip_prefix_cache: bool = False
@@ -116,6 +119,7 @@ class Request:
         self.stop_token_ids = frozenset(self.stop_token_ids)
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError(f"cache_salt must be a string or None, got {self.cache_salt!r}")
+        require_int("lora_id", self.lora_id, 0)
         self.output_token_ids = []
         self.all_token_ids = list(self.prompt_token_ids)
         self.block_hashes = []

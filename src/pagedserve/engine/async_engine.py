@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ..outputs import RequestMetrics, RequestOutput, TokenLogprobs
 from ..sampling_params import SamplingParams
@@ -29,6 +30,7 @@ from .kv_event_feed import KVEventFeed
 from .llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # A step that has not returned for this long means the loop is stuck. A CPU step
 # takes well under a second at the default token budget; a minute leaves room for
@@ -54,6 +56,7 @@ class GenerationRequest:
     priority: int = 0
     cache_salt: str | None = None
     kv_transfer_params: dict | None = None
+    lora_name: str | None = None  # a loaded LoRA adapter; None: the base model
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +249,8 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._thread_main, name="pagedserve-engine", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._entries: dict[str, _Entry] = {}
+        # run_on_thread's futures: failed with the thread if it stops before running them.
+        self._calls: set[asyncio.Future] = set()
         self._num_adds_sent = 0
         self._error: BaseException | None = None
         self._closing = False
@@ -280,6 +285,27 @@ class AsyncEngine:
         if self._closing:
             raise EngineDeadError("the server is shutting down")
         self._commands.put(_Call(fn))
+
+    async def run_on_thread(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`fn(engine)` on the engine thread between steps, in order with the requests sent
+        before it; its result, or the exception it raised (the thread carries on)."""
+        if self._error is not None or self._loop is None or not self._thread.is_alive():
+            raise EngineDeadError("the engine is not running")
+        future = self._loop.create_future()
+        self._calls.add(future)
+
+        def call(engine: LLMEngine) -> None:
+            try:
+                result, error = fn(engine), None
+            except Exception as e:
+                result, error = None, e
+            self._loop.call_soon_threadsafe(_settle, future, result, error)
+
+        self.call_on_thread(call)
+        try:
+            return await future
+        finally:
+            self._calls.discard(future)
 
     def request_frame(self) -> None:
         """Ask the engine thread for a dashboard frame after its current iteration
@@ -412,6 +438,9 @@ class AsyncEngine:
             ))
 
     def _fail_all(self, error: BaseException) -> None:
+        for future in self._calls:
+            if not future.done():
+                future.set_exception(error)
         for entry in self._entries.values():
             if not entry.ack.done():
                 entry.ack.set_exception(error)
@@ -488,7 +517,7 @@ class AsyncEngine:
         try:
             self.engine.add_request(
                 r.prompt_token_ids, r.params, request_id=r.request_id, priority=r.priority,
-                cache_salt=r.cache_salt, arrival_time=r.arrival_time, kv_transfer_params=r.kv_transfer_params,
+                cache_salt=r.cache_salt, arrival_time=r.arrival_time, kv_transfer_params=r.kv_transfer_params, lora_name=r.lora_name,
             )
         except ValueError as error:
             return r.request_id, error
@@ -507,6 +536,15 @@ class AsyncEngine:
             SampleDelta(i, "", (), None, "abort", None) for i in range(state.n) if i not in state.finished
         )
         return RequestDelta(request_id, samples, True, time.monotonic(), None)
+
+
+def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    if future.done():  # failed already: the thread stopped
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def _delta(out: RequestOutput, live: dict[str, _Live], now: float) -> RequestDelta:

@@ -33,12 +33,21 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_name: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """RequestOutputs in the order of `prompts` (a string, token ids, or a list of either)."""
+        """RequestOutputs in the order of `prompts` (a string, token ids, or a list of either).
+        `lora_name`: the loaded LoRA adapter to run (one for all prompts, or one per prompt;
+        None: the base model)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._params_per_prompt(sampling_params, len(prompts))
-        return self._run(zip(prompts, params), len(prompts), use_tqdm)
+        if lora_name is None or isinstance(lora_name, str):
+            loras = [lora_name] * len(prompts)
+        elif len(lora_name) != len(prompts):
+            raise ValueError(f"lora_name has {len(lora_name)} entries for {len(prompts)} prompts")
+        else:
+            loras = list(lora_name)
+        return self._run(zip(prompts, params, loras), len(prompts), use_tqdm)
 
     def chat(
         self,
@@ -46,6 +55,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_name: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
@@ -56,7 +66,14 @@ class LLM:
             )
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_name)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter folder under `name` (needs enable_lora); ValueError if it cannot be."""
+        self.engine.add_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.remove_lora(name)
 
     def stats(self) -> dict:
         return self.engine.stats()
@@ -75,8 +92,8 @@ class LLM:
         engine = self.engine
         ids: list[str] = []
         try:
-            for prompt, params in jobs:
-                ids.append(engine.add_request(prompt, params))
+            for prompt, params, lora in jobs:
+                ids.append(engine.add_request(prompt, params, lora_name=lora))
         except Exception:
             for rid in ids:
                 engine.abort(rid)

@@ -30,6 +30,7 @@ from ..kv_transfer.factory import make_kv_connector_worker
 from ..model.config import ModelConfig
 from ..model.loader import LoadedModel, load_model
 from ..model.placement import place_model
+from ..model.lora import LoRASlots
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 from ..sampling_params import SamplingParams
 from ..sampling_state import SamplingState
@@ -43,6 +44,7 @@ from ..worker.sampler import LogprobsTensors
 from .detokenizer import IncrementalDetokenizer
 from .device_memory import GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS, device_memory_plan, kv_dtype_bytes
 from .placement import resolve_placement
+from .lora_registry import LoRAModule, LoRARegistry
 from .step_timing import step_time_model
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,7 @@ class _Tracked:
     num_finished: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # filled by position as prefill runs
     kv_transfer_params: dict | None = None  # a producer's hand-off, once the request finished
+    lora_id: int = 0
 
     @property
     def finished(self) -> bool:
@@ -134,6 +137,8 @@ class LLMEngine:
             config = self.config = replace(config, max_num_batched_tokens=GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS)
         if placement.on_gpu and config.kv_layout == "contiguous":
             raise ValueError("kv_layout='contiguous' maps host memory; use kv_layout='paged' on cuda")
+        if placement.on_gpu and config.enable_lora:
+            raise ValueError("enable_lora runs on the CPU only so far (the adapter stacks live in host memory)")
         if config.tensor_parallel_size > 1:
             if loaded is not None:
                 raise ValueError("tensor_parallel_size > 1 loads each rank's shard itself; pass no loaded model")
@@ -172,6 +177,7 @@ class LLMEngine:
                               kv_dtype_bytes(config.kv_cache_dtype, placement.dtype))
         if self.tp is not None:
             self.tp.start(plan.num_blocks, config.block_size, config.kv_cache_dtype)
+        lora_slots = LoRASlots(mc, config.max_loras, config.max_lora_rank) if config.enable_lora else None
         sched_config = config.scheduler_config(self.max_model_len)
         cache_config = config.cache_config(plan.num_blocks)
         # The contiguous layout: a demand-paged mapping (runner) and its page accounting (scheduler).
@@ -191,7 +197,11 @@ class LLMEngine:
             device=placement.device, decode_graphs="cuda" if placement.on_gpu and not config.enforce_eager else None,
             max_cudagraph_batch=config.max_cudagraph_batch, model_dtype=placement.torch_dtype,
             kv_caches=self.kv_store.kv_caches if self.kv_store is not None else None,
+            lora_slots=lora_slots,
         )
+        self.loras = LoRARegistry(lora_slots, mc) if lora_slots is not None else None
+        for name, path in config.lora_modules.items():
+            self.add_lora(name, path)
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec is not None else None
         self.structured_outputs = StructuredOutputManager(self.tokenizer, mc.vocab_size)
         self._tracked: dict[str, _Tracked] = {}
@@ -239,9 +249,12 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         kv_transfer_params: dict | None = None,
+        lora_name: str | None = None,
     ) -> str:
-        """Validate, tokenize and queue a request; raise ValueError if it can never run."""
+        """Validate, tokenize and queue a request; raise ValueError if it can never run.
+        `lora_name` runs it under that loaded LoRA adapter (None: the base model)."""
         params = params or SamplingParams()
+        lora_id = self._lora(lora_name).lora_id if lora_name is not None else 0
         params.validate_for_vocab(self.loaded.config.vocab_size)
         if isinstance(prompt, str):
             prompt_text, prompt_ids = prompt, self.tokenizer.encode(prompt)
@@ -280,6 +293,7 @@ class LLMEngine:
             stop_token_ids=frozenset(params.stop_token_ids) | (self.tokenizer.stop_token_ids if not params.ignore_eos else frozenset()),
             ignore_eos=params.ignore_eos,
             cache_salt=cache_salt,
+            lora_id=lora_id,
             skip_prefix_cache=params.prompt_logprobs is not None,
             sampling=SamplingState.for_request(params, matchers),
             kv_transfer_params=kv_transfer_params,
@@ -287,7 +301,7 @@ class LLMEngine:
         self.scheduler.add_request(request)
         self._tracked[rid] = _Tracked(rid, prompt_text, prompt_ids, params, RequestMetrics(request.arrival_time),
                                       prompt_logprobs=[None] * len(prompt_ids) if params.prompt_logprobs is not None
-                                      else None)
+                                      else None, lora_id=lora_id)
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -295,6 +309,31 @@ class LLMEngine:
         tracked = self._tracked.pop(request_id, None)
         self.scheduler.abort(request_id)
         return tracked is not None
+
+    # -- LoRA adapters ------------------------------------------------------------------
+
+    def add_lora(self, name: str, path: str) -> LoRAModule:
+        """Load a PEFT adapter from `path` under `name`, between steps; ValueError if it cannot be."""
+        if self.loras is None:
+            raise ValueError("LoRA is not enabled (start the engine with enable_lora)")
+        return self.loras.load(name, path)
+
+    def remove_lora(self, name: str) -> LoRAModule:
+        """Unload an adapter. Refused (ValueError) while a request that runs it is unfinished:
+        its next step would have no weights."""
+        module = self._lora(name)
+        users = sum(1 for t in self._tracked.values() if t.lora_id == module.lora_id)
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} has {users} unfinished requests; unload it after they finish")
+        return self.loras.unload(name)
+
+    def list_loras(self) -> list[LoRAModule]:
+        return self.loras.modules() if self.loras is not None else []
+
+    def _lora(self, name: str) -> LoRAModule:
+        if self.loras is None:
+            raise ValueError(f"LoRA is not enabled, so there is no adapter {name!r} (start with enable_lora)")
+        return self.loras.get(name)
 
     def has_unfinished_requests(self) -> bool:
         """Requests to step, or KV transfers the engine must keep stepping to hear of."""

@@ -14,6 +14,7 @@ from torch import nn
 from ..attention.backend import AttentionBackend
 from ..attention.metadata import AttentionMetadata
 from .config import ModelConfig
+from .lora import LoRABatch
 from .quant import QTYPES, QuantEmbedding, QuantLinear
 
 
@@ -156,9 +157,13 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        lora: tuple[LoRABatch, int] | None = None,  # the step's adapter rows, this layer's index
     ) -> torch.Tensor:
         t = hidden.shape[0]
-        qkv = self.qkv(self.attn_norm(hidden))
+        normed = self.attn_norm(hidden)
+        qkv = self.qkv(normed)
+        if lora is not None:
+            lora[0].add(lora[1], "qkv", normed, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -168,12 +173,22 @@ class DecoderLayer(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         attn = backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
-        hidden, normed = self.ffn_norm.add_forward(self.o(attn), hidden)
+        out = self.o(attn)
+        if lora is not None:
+            lora[0].add(lora[1], "o", attn, out)
+        hidden, normed = self.ffn_norm.add_forward(out, hidden)
         gate_up = self.gate_up(normed)
+        if lora is not None:
+            lora[0].add(lora[1], "gate_up", normed, gate_up)
         if self.native:
-            return hidden + self.down(torch.ops.pagedserve.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return hidden + self.down(F.silu(gate) * up)
+            act = torch.ops.pagedserve.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        down = self.down(act)
+        if lora is not None:
+            lora[0].add(lora[1], "down", act, down)
+        return hidden + down
 
 
 class LlamaModel(nn.Module):
@@ -270,9 +285,10 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         logits_indices: torch.Tensor,  # [R] rows of the flattened batch whose logits are wanted
+        lora: LoRABatch | None = None,  # the step's LoRA adapter rows (model/lora.py)
     ) -> torch.Tensor:  # [R, vocab]
         hidden = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, meta, backend)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            hidden = layer(hidden, cos, sin, kv_cache, meta, backend, None if lora is None else (lora, i))
         return self.logits(hidden.index_select(0, logits_indices))

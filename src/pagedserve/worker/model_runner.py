@@ -30,6 +30,7 @@ from ..core.outputs import ScheduledRequest, SchedulerOutput
 from ..core.request import Request
 from ..kv_transfer.base import KVConnectorWorker
 from ..model.llama import LlamaModel
+from ..model.lora import LoRABatch, LoRASlots
 from ..spec_decode.config import SpeculativeConfig
 from ..spec_decode.ngram import NgramProposer
 from .block_table import BlockTableRows
@@ -54,6 +55,8 @@ class StepInputs:
     first_logits_row: np.ndarray
     # Rows that want prompt logprobs; their logits rows follow the sampling ones.
     prompt_logprobs: PromptLogprobsPlan | None = None
+    # Tokens that run a LoRA adapter, by slot; None when every row is the base model's.
+    lora: LoRABatch | None = None
 
 
 class StepPeers(Protocol):
@@ -85,6 +88,7 @@ class ModelRunner:
         max_cudagraph_batch: int | None = None,
         model_dtype: torch.dtype = torch.float32,
         kv_caches: list[torch.Tensor] | None = None,
+        lora_slots: LoRASlots | None = None,
     ):
         """`device`: where the model's weights are (default cpu). `decode_graphs`: None (eager),
         "cuda" (CUDA graphs) or "eager" (the same bucketing and padding, replayed eagerly: tests).
@@ -94,6 +98,8 @@ class ModelRunner:
         self.model = model
         self.peers = peers
         self.device = device = device or torch.device("cpu")
+        # The loaded LoRA adapters' stacked weights (None: LoRA is off).
+        self.lora_slots = lora_slots
         self.block_size = bs = kv_plan.block_size
         self_layers = speculative.self_draft_layers if speculative is not None else None
         # Scratch blocks (ids num_blocks and up) belong to the runner, not the pool: a
@@ -191,6 +197,11 @@ class ModelRunner:
         within = np.arange(cu_samples[-1]) - np.repeat(cu_samples[:-1], num_samples)
         logits_indices = np.repeat(cu[1:] - 1 - num_drafts, num_samples) + within * np.repeat(num_drafts > 0, num_samples)
         sampling = [s for s, k in zip(sched, num_samples.tolist()) if k]
+        lora = None
+        if self.lora_slots is not None and self.lora_slots.slot_of:
+            slot_of = self.lora_slots.slot_of
+            row_slots = np.fromiter((slot_of.get(s.request.lora_id, -1) for s in sched), np.int64, len(sched))
+            lora = self.lora_slots.batch(np.repeat(row_slots, num_new))
         prompt_plan = plan_prompt_logprobs(sched, cu[:-1])
         if prompt_plan is not None:
             logits_indices = np.concatenate([logits_indices, prompt_plan.logits_indices])
@@ -212,6 +223,7 @@ class ModelRunner:
             sampling=sampling,
             first_logits_row=cu_samples[:-1][num_samples > 0],
             prompt_logprobs=prompt_plan,
+            lora=lora,
         )
 
     @torch.inference_mode()
@@ -236,11 +248,13 @@ class ModelRunner:
                 inputs.input_ids, inputs.positions, inputs.logits_indices, inputs.meta)
             inputs = dataclasses.replace(inputs, input_ids=ids, positions=positions, logits_indices=logits_indices,
                                          meta=meta)
-        logits = self._decode_graph_logits(inputs) if self.graphs is not None else None
+        # A captured graph has no adapter deltas: steps with LoRA rows run eagerly.
+        logits = self._decode_graph_logits(inputs) if self.graphs is not None and inputs.lora is None else None
         if logits is None:
             self.backend.prepare(inputs.meta)
             logits = self.model(
-                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend, inputs.logits_indices
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend, inputs.logits_indices,
+                inputs.lora,
             ).float()  # a no-op on the fp32 CPU path; sampling works on fp32 logits
         if self._drafter is not None and self._drafter.needs_catch_up:
             self._drafter.catch_up(inputs.input_ids, inputs.positions, inputs.meta)

@@ -187,6 +187,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     root: str
+    # The base model a LoRA adapter runs on; None for the base model itself.
+    parent: str | None
     max_model_len: int
 
 

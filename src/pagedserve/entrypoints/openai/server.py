@@ -33,6 +33,7 @@ from ...engine.llm_engine import LLMEngine
 from .args import ServerConfig
 from .dashboard import install_dashboard
 from .kv_events import install_kv_events
+from .lora import install_lora_routes
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .middleware import APIKeyMiddleware, BodyLimitMiddleware
 from .openapi import ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse, \
@@ -40,6 +41,7 @@ from .openapi import ChatCompletionChunk, ChatCompletionResponse, CompletionChun
     build_openapi, generation_responses, get_responses, request_body
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestLimits, \
     TokenizeRequest, check_token_ids, max_prompt_chars, parse_body, validation_error
+from .served_models import ServedModels
 from .serving import Admission, OpenAIServing, engine_error
 from .serving_chat import ChatServing
 from .serving_completions import CompletionServing
@@ -68,7 +70,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     vocabulary = engine.tokenizer.backend.get_vocab(with_added_tokens=True)
     limits = RequestLimits(config.max_n, config.max_logprobs, async_engine.vocab_size,
                            max_prompt_chars(vocabulary, async_engine.max_context_len))
-    args = (async_engine, admission, limits, model_names, executor)
+    models = ServedModels(model_names, engine.list_loras())
+    args = (async_engine, admission, limits, models, executor)
     tool_parser = TOOL_PARSERS[config.tool_call_parser] if config.tool_call_parser else None
     completions, common = CompletionServing(*args), OpenAIServing(*args)
     chat = ChatServing(*args, tool_parser=tool_parser)
@@ -106,11 +109,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models", responses=get_responses(ModelList))
     async def list_models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "pagedserve",
-             "root": engine.loaded.name, "max_model_len": async_engine.max_context_len}
-            for name in model_names
-        ]})
+        return JSONResponse({"object": "list",
+                             "data": models.cards(created, engine.loaded.name, async_engine.max_context_len)})
 
     @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest), responses=body_responses(TokenizeResponse))
     async def tokenize(request: Request) -> JSONResponse:
@@ -155,6 +155,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         return JSONResponse({"version": __version__})
 
     install_kv_events(app, async_engine)
+    if engine.config.enable_lora:
+        install_lora_routes(app, async_engine, models)
     if config.dashboard:
         install_dashboard(app, async_engine, model_names[0], config.dashboard_show_prompts)
     document = build_openapi(app)

@@ -22,6 +22,7 @@ from ...outputs import TokenLogprobs
 from ...sampling_params import SamplingParams
 from .disconnect import sse, until_disconnected  # noqa: F401  (the endpoints import them from here)
 from .protocol import APIError, M, RequestLimits, bad_request, parse_body
+from .served_models import ServedModels
 
 T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
@@ -212,11 +213,11 @@ class SSEResponse(StreamingResponse):
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, admission: Admission, limits: RequestLimits,
-                 model_names: Sequence[str], executor: Executor):
+                 models: ServedModels, executor: Executor):
         self.engine = engine
         self.admission = admission
         self.limits = limits
-        self.model_names = tuple(model_names)
+        self.models = models
         self.tokenizer = engine.engine.tokenizer
         self._executor = executor
 
@@ -228,11 +229,12 @@ class OpenAIServing:
         return arrival, body, meta
 
     def resolve_model(self, name: str | None) -> str:
-        """The name responses carry; 404 for a model this server does not serve."""
-        if name is not None and name not in self.model_names:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {list(self.model_names)}",
-                           param="model", code="model_not_found")
-        return self.model_names[0]
+        """The name responses carry (a LoRA adapter's own); 404 for a model this server does not serve."""
+        return self.models.resolve(name)
+
+    def lora_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` runs; None for the base model."""
+        return self.models.lora_of(model)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run CPU work (tokenising, template rendering) in the pool, not on the event loop."""

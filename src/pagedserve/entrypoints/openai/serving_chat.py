@@ -65,7 +65,7 @@ class ChatServing(OpenAIServing):
                 raise bad_request(e) from None
         stream = await self.start(seat, [
             GenerationRequest(request_id, prompt_ids, params, arrival, req.priority, req.cache_salt,
-                              req.kv_transfer_params)
+                              req.kv_transfer_params, self.lora_of(req.model))
         ])
         return stream, params, len(prompt_ids)
 

@@ -40,7 +40,7 @@ class CompletionServing(OpenAIServing):
             ids = [f"{meta.id}-{i}" for i in range(len(prepared))]
             stream = await self.start(seat, [
                 GenerationRequest(rid, p.token_ids, params, arrival, req.priority, req.cache_salt,
-                                  req.kv_transfer_params)
+                                  req.kv_transfer_params, self.lora_of(meta.model))
                 for rid, p in zip(ids, prepared)
             ])
             tracker = ChoiceTracker(ids, params.n, sum(len(p.token_ids) for p in prepared), keep_output=not req.stream)

@@ -56,7 +56,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     messages = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     messages += _messages(req.input)
     fields: dict[str, Any] = {
-        "messages": messages,
+        "model": req.model, "messages": messages,
         "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
         "tools": [_chat_tool(tool, i) for i, tool in enumerate(req.tools)] if req.tools else None,
         "tool_choice": _chat_tool_choice(req.tool_choice), "parallel_tool_calls": req.parallel_tool_calls,
