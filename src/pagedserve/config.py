@@ -140,9 +140,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         self._check_kv_layout()
         if self.quantization not in ("none", "fp8") and self.kernels == "torch":
+            raise ValueError(f"quantization={self.quantization!r} runs on the native kernels; kernels='torch' has none")
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 (the adapters are not sharded)")
-            raise ValueError(f"quantization={self.quantization!r} runs on the native kernels; kernels='torch' has none")
         # Scheduler and cache fields are validated by core's SchedulerConfig / CacheConfig
         # when the engine builds them; only the engine's own fields are checked here.
         self._check_parallel()
