@@ -26,7 +26,6 @@ where "graphs" replay eagerly (worker/cuda_graphs.EagerGraph) and the backend is
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import platform
