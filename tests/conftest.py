@@ -6,6 +6,17 @@ import pytest
 from pagedserve.model.registry import default_model_path
 
 
+@pytest.fixture
+def threads(request):
+    """Run the test with request.param torch threads (parametrize it indirectly), restoring the count after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def gguf_path():
     return default_model_path()

@@ -23,14 +23,6 @@ def native_library():
     assert native_unavailable_reason() is None
 
 
-@pytest.fixture
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def narrow_step(seqs, dtype, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=0):
     q, k, v, cache, meta = random_step(seqs, num_heads, num_kv_heads, head_dim, block_size, seed)
     return q, k, v, to_cache_dtype(cache, dtype), meta

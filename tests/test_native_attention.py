@@ -22,15 +22,6 @@ def native_library():
     assert native_unavailable_reason() is None
 
 
-@pytest.fixture
-def threads(request):
-    """Run the test with request.param torch threads, restoring the count after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def reference(q, k, v, cache, meta, scale) -> torch.Tensor:
     return ReferenceBackend().forward(q, k, v, cache.clone(), meta, scale)
 

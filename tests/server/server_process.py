@@ -56,21 +56,7 @@ def start_server(log_dir: Path, *flags: str, env: dict[str, str] | None = None,
     log_path = log_dir / f"server-{port}.log"
     cmd = [sys.executable, "-m", entry, "serve", "--port", str(port),
            *SMALL_SERVER_FLAGS, "--uvicorn-log-level", "warning", *flags]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    server = ServerProcess(proc, port, log_path)
-    deadline = time.monotonic() + startup_timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()[-3000:]}")
-        try:
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    server.stop()
-    raise RuntimeError(f"server did not become healthy in {startup_timeout_s} s:\n{server.log()[-3000:]}")
+    return _launch("server", cmd, log_path, port, startup_timeout_s, env)
 
 
 def start_router(log_dir: Path, *flags: str) -> ServerProcess:
@@ -79,18 +65,24 @@ def start_router(log_dir: Path, *flags: str) -> ServerProcess:
     log_path = log_dir / f"router-{port}.log"
     cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "router", "--port", str(port),
            "--uvicorn-log-level", "warning", *flags]
+    return _launch("router", cmd, log_path, port, STARTUP_TIMEOUT_S)
+
+
+def _launch(kind: str, cmd: list[str], log_path: Path, port: int, timeout_s: float,
+            env: dict[str, str] | None = None) -> ServerProcess:
+    """Run `cmd`, logging to log_path, until its /health answers 200 (or fail with its log)."""
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    router = ServerProcess(proc, port, log_path)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    server = ServerProcess(proc, port, log_path)
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"router exited with {proc.returncode}:\n{router.log()[-3000:]}")
+            raise RuntimeError(f"{kind} exited with {proc.returncode}:\n{server.log()[-3000:]}")
         try:
-            if httpx.get(router.url + "/health", timeout=2).status_code == 200:
-                return router
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return server
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    router.stop()
-    raise RuntimeError(f"router did not become healthy in {STARTUP_TIMEOUT_S} s:\n{router.log()[-3000:]}")
+    server.stop()
+    raise RuntimeError(f"{kind} did not become healthy in {timeout_s} s:\n{server.log()[-3000:]}")
