@@ -11,14 +11,13 @@ Without a configured connector the Scheduler never calls any of this.
 """
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .request import Request
-from .validation import is_int
+from .validation import config_object, is_int
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
@@ -73,17 +72,7 @@ class KVTransferConfig:
     def parse(cls, value: KVTransferConfig | dict | str | None) -> KVTransferConfig | None:
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a JSON object, got {value!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_transfer_config has unknown keys {unknown}; known: {sorted(known)}")
+        value = config_object("kv_transfer_config", value, {f.name for f in fields(cls)})
         return cls(**value)
 
 

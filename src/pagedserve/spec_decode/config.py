@@ -1,11 +1,10 @@
 """`--speculative-config` / `LLM(speculative_config=...)`: parsed and validated once."""
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from ..core.validation import require_int
+from ..core.validation import config_object, require_int
 
 METHODS = ("ngram", "draft_model")
 SELF_DRAFT_PREFIX = "self:"
@@ -61,17 +60,7 @@ class SpeculativeConfig:
         """From a JSON string (the CLI), a dict (the Python API) or an instance."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
+        value = config_object("speculative_config", value, {f.name for f in fields(cls)})
         if "method" not in value:
             raise ValueError(f"speculative_config.method is required ({', '.join(METHODS)})")
         return cls(**value)
