@@ -188,5 +188,9 @@ def test_selector_defaults_to_the_cpu_backend_and_names_the_choices():
     assert isinstance(get_backend("reference"), ReferenceBackend)
     names = ["contiguous", "contiguous-native", "cpu", "native", "reference", "triton"]
     assert backend_names() == names
+    # config checks these names without importing the backends (torch-free for the simulator).
+    from pagedserve.attention.contiguous_backend import ContiguousAttention, NativeContiguousAttention
+    from pagedserve.core.contiguous_kv import CONTIGUOUS_BACKENDS
+    assert set(CONTIGUOUS_BACKENDS) == {ContiguousAttention.name, NativeContiguousAttention.name}
     with pytest.raises(ValueError, match=re.escape(str(names))):
         get_backend("flash")

@@ -17,8 +17,7 @@ from .core.config import (
     chunks_prefill,
     whole_prompt_budget,
 )
-from .attention.selector import CONTIGUOUS_ONLY
-from .core.contiguous_kv import KV_LAYOUTS, check_kv_layout
+from .core.contiguous_kv import CONTIGUOUS_BACKENDS, KV_LAYOUTS, check_kv_layout
 from .core.kv_connector import KVTransferConfig
 from .core.kv_plan import KV_CACHE_DTYPES, check_kv_cache_dtype
 from .core.step_budget import LatencyTarget
@@ -197,7 +196,7 @@ class EngineConfig:
         if self.enable_prefix_caching is None:
             self.enable_prefix_caching = not contiguous
         if not contiguous:
-            if self.attention_backend in CONTIGUOUS_ONLY:
+            if self.attention_backend in CONTIGUOUS_BACKENDS:
                 raise ValueError(f"attention_backend {self.attention_backend!r} needs kv_layout='contiguous'")
             return
         # Sharing a prefix or a forked prompt means mapping the same pages into several

@@ -15,8 +15,6 @@ _BACKENDS: dict[str, type] = {
     ContiguousAttention.name: ContiguousAttention,
     NativeContiguousAttention.name: NativeContiguousAttention,
 }
-# Backends that read a sequence's blocks as one run: only right under the contiguous layout.
-CONTIGUOUS_ONLY = (ContiguousAttention.name, NativeContiguousAttention.name)
 DEFAULT_BACKEND = CpuPagedAttention.name
 # The GPU backend. Its module imports without triton; building one without it is a
 # ValueError that says why.

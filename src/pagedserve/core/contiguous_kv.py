@@ -33,6 +33,9 @@ from .kv_cache_manager import NO_CHANGE, NO_HIT, Allocation, PrefixHit
 from .request import Request
 
 KV_LAYOUTS = ("paged", "contiguous")
+# The attention backends that read a sequence's blocks as one run: right only under the
+# contiguous layout (attention/contiguous_backend.py names its classes so).
+CONTIGUOUS_BACKENDS = ("contiguous", "contiguous-native")
 PAGE_SIZE = 4096
 # How often the OS is asked about the pages written since the last reading (schedule()
 # calls). Each page is read once, after its first write: one pagemap read per stream per
