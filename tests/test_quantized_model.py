@@ -44,7 +44,7 @@ def test_config_validates_quantization() -> None:
     with pytest.raises(ValueError, match="quantization='q8_0'.*kernels='torch'"):
         EngineConfig(quantization="q8_0", kernels="torch")
     with pytest.raises(ValueError, match="quantization must be one of"):
-        load_model(quantization="fp8")
+        load_model(quantization="int4")
 
 
 def test_gguf_mode_keeps_the_files_blocks(gguf_model) -> None:
