@@ -1,7 +1,14 @@
 """Shared fixtures. The transformers reference model and tokenizer load once per session."""
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Triton reads this when its kernels are first imported, and whichever test imports them
+# first decides for the whole session: without a GPU the interpreter is the only place they
+# run, so the session starts with it on (tests/test_triton_attention.py, the gpu_check driver).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pagedserve.model.registry import default_model_path
 
