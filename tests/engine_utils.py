@@ -67,3 +67,14 @@ def check_busy_batch(llm: LLM, expect_preemption: bool = False) -> dict[int, lis
         assert stats["num_preemptions"] > 0, "the small pool was meant to force preemption"
     assert_all_blocks_free(llm)
     return alone
+
+
+def busy_batch_tokens(llm, params) -> list[list[int]]:
+    """Six busy_batch prompts (long and short, two sharing a cached prefix) run together:
+    the first two give the tokens they give alone, and every block comes back."""
+    prompts = busy_batch(llm.tokenizer)[0][:6]
+    alone = [llm.generate([prompts[i]], params, use_tqdm=False)[0].outputs[0].token_ids for i in (0, 1)]
+    batch = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    assert batch[:2] == alone
+    assert_all_blocks_free(llm)
+    return batch

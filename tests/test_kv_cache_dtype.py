@@ -105,7 +105,7 @@ def loaded():
 
 @pytest.mark.parametrize("name", ["fp16", "fp8_e4m3"])
 def test_engine_pool_is_sized_by_the_width_and_keeps_its_accounting(loaded, name):
-    from engine_utils import KV_BYTES_PER_BLOCK, assert_all_blocks_free, busy_batch, make_llm
+    from engine_utils import KV_BYTES_PER_BLOCK, busy_batch_tokens, make_llm
 
     from pagedserve import SamplingParams
 
@@ -117,10 +117,5 @@ def test_engine_pool_is_sized_by_the_width_and_keeps_its_accounting(loaded, name
                        kv_cache_memory=64 * KV_BYTES_PER_BLOCK)
         assert llm.engine.runner.kv_caches[0].dtype == kv_cache_torch_dtype(name)
         assert llm.stats()["kv_total_blocks"] == 64 * 4 // kv_cache_torch_dtype(name).itemsize
-        prompts = busy_batch(llm.tokenizer)[0][:6]  # long and short, two sharing a cached prefix
-        alone = [llm.generate([prompts[i]], greedy, use_tqdm=False)[0].outputs[0].token_ids for i in (0, 1)]
-        batch = [out.outputs[0].token_ids for out in llm.generate(prompts, greedy, use_tqdm=False)]
-        assert batch[:2] == alone
-        tokens[kernels] = batch
-        assert_all_blocks_free(llm)
+        tokens[kernels] = busy_batch_tokens(llm, greedy)
     assert tokens["native"] == tokens["torch"]

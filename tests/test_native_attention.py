@@ -189,7 +189,7 @@ def loaded():
 
 
 def test_engine_greedy_tokens_equal_on_both_kernel_paths_alone_and_in_a_busy_batch(loaded):
-    from engine_utils import assert_all_blocks_free, busy_batch, make_llm
+    from engine_utils import busy_batch_tokens, make_llm
     from pagedserve import SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -198,12 +198,7 @@ def test_engine_greedy_tokens_equal_on_both_kernel_paths_alone_and_in_a_busy_bat
         # Small chunks, so that prompts take both paths: short chunks and long ones.
         llm = make_llm(loaded, kernels=kernels, max_num_batched_tokens=24, max_num_seqs=8)
         assert llm.engine.runner.backend.name == backend
-        prompts = busy_batch(llm.tokenizer)[0][:6]  # long and short, two sharing a cached prefix
-        alone = [llm.generate([prompts[i]], greedy, use_tqdm=False)[0].outputs[0].token_ids for i in (0, 1)]
-        batch = [out.outputs[0].token_ids for out in llm.generate(prompts, greedy, use_tqdm=False)]
-        assert batch[:2] == alone
-        tokens[kernels] = batch
-        assert_all_blocks_free(llm)
+        tokens[kernels] = busy_batch_tokens(llm, greedy)
     assert tokens["native"] == tokens["torch"]
 
 
