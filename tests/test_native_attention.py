@@ -93,6 +93,38 @@ def test_many_sequences_of_uneven_lengths(threads):
     assert_op_matches(seqs, 9, 3, 64, 16, seed=3)
 
 
+def test_a_rows_output_does_not_depend_on_the_batch_threads_or_chunking():
+    # Bitwise: the engine's "same tokens alone and in a busy batch" rests on this. The
+    # same cached keys are read by a decode, by the last row of a 5-token chunk, alone,
+    # beside other sequences, and on 1, 2 and 5 threads.
+    torch.manual_seed(0)
+    block_size, seq_len = 16, 1000
+    cache = torch.randn(2, 80, block_size, 3, 64)
+    table = torch.randperm(80)[: -(-seq_len // block_size)].tolist()
+    others = [(1, 37, [1, 2, 3]), (3, 600, list(range(40, 78))), (1, 9, [5])]
+    q_last = torch.randn(1, 9, 64)
+
+    def last_row(query_len, with_others, threads):
+        lens = [query_len] + ([n for n, _, _ in others] if with_others else [])
+        seq_lens = [seq_len] + ([s for _, s, _ in others] if with_others else [])
+        tables = [table] + ([t for _, _, t in others] if with_others else [])
+        meta = AttentionMetadata.for_sequences(lens, seq_lens, tables, block_size)
+        q = torch.randn(sum(lens), 9, 64)
+        q[query_len - 1] = q_last[0]
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return native_op(q, cache, meta, 0.125)[query_len - 1]
+        finally:
+            torch.set_num_threads(before)
+
+    expected = last_row(1, False, 1)
+    for query_len in (1, 5):
+        for with_others in (False, True):
+            for threads in (1, 2, 5):
+                assert torch.equal(last_row(query_len, with_others, threads), expected), (query_len, with_others, threads)
+
+
 def test_only_the_chosen_sequences_are_written():
     q, k, v, cache, meta = random_step([(1, 30), (20, 50), (2, 9)], 9, 3, 64, 16)
     expected = reference(q, k, v, cache, meta, 0.125)
