@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from .core.config import (
+    CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS,
     MIN_WHOLE_PROMPT_BUDGET,
     POLICIES,
     SCHEDULING_POLICIES,
@@ -27,12 +28,6 @@ from .model.config import QUANTIZATION_CHOICES
 from .model.device import DEVICE_CHOICES, DTYPE_CHOICES, check_device_options
 from .spec_decode.config import SpeculativeConfig
 
-# Default token budget per step on a CPU. A step costs about 2 x params FLOPs per
-# token; at ~90 GFLOP/s (fp32, 2 cores) and ~0.2 GFLOP/token for a 135M model, a
-# 256-token step takes ~0.6 s. vLLM's GPU default (2048) would stall every decode
-# for ~5 s behind a long prompt here; 256 keeps the worst inter-token gap well
-# under a second while chunks stay large enough for efficient matmuls.
-CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
 
 
 def parse_memory(value: str | int | float) -> int:

@@ -106,3 +106,33 @@ def test_invalid_models_name_the_field():
         StepTimeModel(0.0, 1.0, 0.0, 0.0, -1.0)
     with pytest.raises(ValueError, match="cap"):
         StepBudget(MODEL, LatencyTarget(), 0)
+
+
+def test_supply_floor_replaces_what_the_batch_finishes_up_to_the_fixed_step():
+    from pagedserve.core.step_budget import PromptSupply
+
+    supply = PromptSupply(step_tokens=256, margin=1.0)
+    assert supply.floor(64) == 0  # nothing finished yet: no lengths to go on
+    supply.observe(256, 128)
+    assert supply.floor(16) == 32  # 16 rows x 256 / 128
+    assert supply.floor(0) == 0
+    assert supply.floor(200) == 56  # 400 wanted, but no more than fills the step to 256
+    assert supply.floor(300) == 0
+    supply.observe(10, 0)  # no output (e.g. cut at once): says nothing about the rate
+    assert supply.num_observed == 1
+    with pytest.raises(ValueError, match="step_tokens"):
+        PromptSupply(step_tokens=0)
+    with pytest.raises(ValueError, match="margin"):
+        PromptSupply(step_tokens=256, margin=float("nan"))
+
+
+def test_the_floor_overrides_a_target_the_decodes_leave_no_room_for():
+    model = StepTimeModel(0.01, 0.001, 0.0, 0.0, 0.0)
+    target = LatencyTarget(itl_s=0.05)
+    # 40 decodes already take 0.05 s: the target alone gives the 16-token minimum.
+    assert choose_budget(model, target, 2048, 40, 0) == 40 + 16
+    assert choose_budget(model, target, 2048, 40, 0, floor=100) == 40 + 100
+    # A target with room keeps its own, larger, budget.
+    assert choose_budget(model, target, 2048, 4, 0, floor=20) == 4 + 36
+    # With nothing running, the floor does not apply (the TTFT target rules).
+    assert choose_budget(model, LatencyTarget(itl_s=0.05, ttft_s=0.02), 2048, 0, 0, floor=500) == 16

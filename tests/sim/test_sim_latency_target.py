@@ -1,6 +1,7 @@
 """A latency target drives the real scheduler in the simulator: on PEERS.md's W2-, W3-
 and W4-shaped workloads (scaled down) it holds p99 ITL near its target where a fixed
-256-token budget misses it, without losing throughput."""
+256-token budget misses it (W2), and under load it keeps the fixed budget's throughput
+with a tail no worse (W3) or far shorter (W4)."""
 import pytest
 
 from pagedserve.workload.datasets import mixed_dataset, random_dataset
@@ -33,21 +34,41 @@ def _run(workload: str, **options):
                                               **options))
 
 
-@pytest.mark.parametrize("workload", sorted(WORKLOADS))
-def test_target_meets_p99_itl_where_the_fixed_budget_misses(workload):
-    target_ms = WORKLOADS[workload][2]
-    fixed = _run(workload, max_num_batched_tokens=256).summary()
-    targeted_run = _run(workload, max_num_batched_tokens=2048, itl_target_ms=target_ms)
-    targeted = targeted_run.summary()
-    assert fixed["p99_itl_ms"] > target_ms * 1.1
-    assert targeted["p99_itl_ms"] <= target_ms * 1.05
-    assert targeted["output_throughput"] >= 0.95 * fixed["output_throughput"]
-    sched = targeted_run.scheduler
+def _check_clean(run) -> None:
+    sched = run.scheduler
     sched.check_invariants()
     assert sched.kv_cache.pool.num_used == 0
     # The affine model fitted from the cost model is within 1.5x of the cost model's own
     # steps; the running correction absorbs the rest.
     assert 1 / 1.5 <= sched.step_budget.correction.scale <= 1.5
+
+
+def test_target_meets_p99_itl_where_the_fixed_budget_misses():
+    target_ms = WORKLOADS["W2"][2]
+    fixed = _run("W2", max_num_batched_tokens=256).summary()
+    targeted_run = _run("W2", max_num_batched_tokens=2048, itl_target_ms=target_ms)
+    targeted = targeted_run.summary()
+    assert fixed["p99_itl_ms"] > target_ms * 1.1
+    assert targeted["p99_itl_ms"] <= target_ms * 1.05
+    assert targeted["output_throughput"] >= 0.95 * fixed["output_throughput"]
+    _check_clean(targeted_run)
+
+
+@pytest.mark.parametrize("workload", ["W3", "W4"])
+def test_under_load_the_target_keeps_the_fixed_budgets_throughput_with_no_worse_tail(workload):
+    # Here the running batch needs more prompt tokens per step than the target leaves:
+    # the supply floor keeps the batch supplied (a target alone drained it, at 0.65-0.72x
+    # the throughput on the real engine), and the target still cuts W4's long-prompt tail.
+    target_ms = WORKLOADS[workload][2]
+    fixed = _run(workload, max_num_batched_tokens=256).summary()
+    targeted_run = _run(workload, max_num_batched_tokens=2048, itl_target_ms=target_ms)
+    targeted = targeted_run.summary()
+    assert targeted["output_throughput"] >= 0.95 * fixed["output_throughput"]
+    assert targeted["p99_itl_ms"] <= 1.02 * fixed["p99_itl_ms"]
+    if workload == "W4":
+        assert targeted["p99_itl_ms"] <= 0.5 * fixed["p99_itl_ms"]
+    assert targeted_run.scheduler.step_budget.supply.num_observed > 0
+    _check_clean(targeted_run)
 
 
 def test_a_wave_with_nothing_running_goes_in_one_step():

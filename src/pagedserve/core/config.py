@@ -15,6 +15,12 @@ MAX_BLOCK_SIZE = 1024
 # Without chunked prefill a whole prompt must fit one step, so vLLM sizes the budget
 # to the context length (and at least 2048) when chunking is off.
 MIN_WHOLE_PROMPT_BUDGET = 2048
+# Default token budget per step on a CPU. A step costs about 2 x params FLOPs per
+# token; at ~90 GFLOP/s (fp32, 2 cores) and ~0.2 GFLOP/token for a 135M model, a
+# 256-token step takes ~0.6 s. vLLM's GPU default (2048) would stall every decode
+# for ~5 s behind a long prompt here; 256 keeps the worst inter-token gap well
+# under a second while chunks stay large enough for efficient matmuls.
+CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
 
 
 def whole_prompt_budget(max_model_len: int, max_num_seqs: int) -> int:

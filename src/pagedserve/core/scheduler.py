@@ -572,6 +572,8 @@ class Scheduler:
     def _retire(self, req: Request, was_running: bool) -> None:
         """Release a request that just finished or was aborted, or park it as padding."""
         can_pad = was_running and req.status is not ABORTED
+        if can_pad and self.step_budget is not None:
+            self.step_budget.finished(req.num_prompt_tokens - (req.num_cached_tokens or 0), req.num_output_tokens)
         if self.policy.on_finished(req, can_pad):
             self.padding[req.request_id] = req
         else:

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from ..attention.selector import default_backend_name
-from ..config import EngineConfig, default_kv_cache_memory
+from ..config import CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, default_kv_cache_memory
 from ..core.config import chunks_prefill
 from ..core.kv_plan import KV_CACHE_DTYPE_BYTES, KVCachePlan, plan_kv_cache
 from ..core.outputs import SchedulerOutput, SchedulerStats
 from ..core.pd_connector import PagedServeConnectorScheduler
 from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler
-from ..core.step_budget import StepBudget
+from ..core.step_budget import PromptSupply, StepBudget
 from ..distributed.executor import TensorParallelExecutor
 from ..kernels import resolve_kernels
 from ..kv_transfer.base import KVConnectorWorker
@@ -236,7 +236,7 @@ class LLMEngine:
         model, source = step_time_model(self.loaded.config)
         logger.info("latency target itl %s ms, ttft %s ms (cap %d tokens); step times from %s",
                     self.config.itl_target_ms, self.config.ttft_target_ms, cap, source)
-        return StepBudget(model, target, cap)
+        return StepBudget(model, target, cap, supply=PromptSupply(CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS))
 
     # -- requests in -------------------------------------------------------------------
 

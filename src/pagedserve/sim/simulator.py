@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from ..core import CacheConfig, Request, Scheduler, SchedulerConfig
 from ..core.contiguous_kv import ContiguousKVCacheManager, ContiguousLayout
-from ..core.step_budget import LatencyTarget, StepBudget
+from ..core.config import CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
+from ..core.step_budget import LatencyTarget, PromptSupply, StepBudget
 from ..core.validation import is_int
 from ..workload.datasets import BenchRequest
 from ..workload.metrics import SLO, RequestRecord, summarize
@@ -65,7 +66,8 @@ class SimConfig:
                 raise ValueError("a latency target needs the cost model to predict step times")
             target = LatencyTarget(ms_to_s(self.itl_target_ms), ms_to_s(self.ttft_target_ms))
             cap = self.max_num_batched_tokens
-            budget = StepBudget(cost.step_time_model(cap), target, cap)
+            budget = StepBudget(cost.step_time_model(cap), target, cap,
+                                supply=PromptSupply(CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS))
         cache = CacheConfig(num_blocks=self.num_blocks, block_size=self.block_size,
                             enable_prefix_caching=self.enable_prefix_caching and self.contiguous is None)
         return Scheduler(
