@@ -112,12 +112,13 @@ def test_supply_floor_replaces_what_the_batch_finishes_up_to_the_fixed_step():
     from pagedserve.core.step_budget import PromptSupply
 
     supply = PromptSupply(step_tokens=256, margin=1.0)
-    assert supply.floor(64) == 0  # nothing finished yet: no lengths to go on
+    assert supply.floor(64, 64) == 192  # nothing finished yet: the fixed budget's share
     supply.observe(256, 128)
-    assert supply.floor(16) == 32  # 16 rows x 256 / 128
-    assert supply.floor(0) == 0
-    assert supply.floor(200) == 56  # 400 wanted, but no more than fills the step to 256
-    assert supply.floor(300) == 0
+    assert supply.floor(16, 16) == 32  # 16 rows x 256 / 128
+    assert supply.floor(8, 32) == 64  # supplies the batch the load asks for, not the one running
+    assert supply.floor(0, 16) == 0
+    assert supply.floor(200, 200) == 56  # 400 wanted, but no more than fills the step to 256
+    assert supply.floor(300, 300) == 0
     supply.observe(10, 0)  # no output (e.g. cut at once): says nothing about the rate
     assert supply.num_observed == 1
     with pytest.raises(ValueError, match="step_tokens"):

@@ -204,7 +204,8 @@ class Scheduler:
                 context += r.num_computed_tokens
             elif prefill_context is None:
                 prefill_context = r.num_computed_tokens
-        return self.step_budget.budget(rows, context, prefill_context or 0)
+        demand = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
+        return self.step_budget.budget(rows, context, prefill_context or 0, demand)
 
     def _wants_prefill_step(self) -> bool:
         """Whole-prompt policies: is the next prompt too long to sit beside the decodes?"""

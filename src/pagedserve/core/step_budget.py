@@ -141,13 +141,15 @@ def choose_budget(
 
 
 class PromptSupply:
-    """How many prompt tokens per step keep a running batch supplied: in steady state
-    `rows` decodes finish rows / mean_output requests a step, each replaced by a prompt
-    of mean_prompt computed tokens. The means are exponential averages over finished
-    requests (aborted ones say nothing about lengths); before the first finishes there
-    is no floor. `margin` above 1 lets a batch that fell behind refill; the floor never
-    fills a step past `step_tokens` (the fixed budget a target replaces), so where the
-    supply asks for more, the step is the fixed budget's."""
+    """How many prompt tokens per step keep a batch supplied: in steady state `rows`
+    decodes finish rows / mean_output requests a step, each replaced by a prompt of
+    mean_prompt computed tokens. The rows to supply are the batch the load asks for
+    (running plus waiting, up to max_num_seqs), not the batch running now, so a batch
+    that starts small grows to it. The means are exponential averages over finished
+    requests (aborted ones say nothing about lengths); until the first finishes, the
+    floor is the fixed budget's share. `margin` above 1 lets a batch that fell behind
+    refill; the floor never fills a step past `step_tokens` (the fixed budget a target
+    replaces), so where the supply asks for more, the step is the fixed budget's."""
 
     def __init__(self, step_tokens: int, alpha: float = 0.05, margin: float = 1.25):
         if not is_int(step_tokens) or step_tokens < 1:
@@ -168,11 +170,15 @@ class PromptSupply:
         self.mean_output += a * (output_tokens - self.mean_output)
         self.num_observed += 1
 
-    def floor(self, decode_rows: int) -> int:
-        if self.num_observed == 0 or decode_rows <= 0:
+    def floor(self, decode_rows: int, demand_rows: int) -> int:
+        """Prefill tokens for a step beside `decode_rows` decodes when the load asks for
+        a batch of `demand_rows`."""
+        if decode_rows <= 0:
             return 0
-        need = math.ceil(self.margin * decode_rows * self.mean_prompt / self.mean_output)
-        return max(0, min(need, self.step_tokens - decode_rows))
+        share = max(0, self.step_tokens - decode_rows)
+        if self.num_observed == 0:
+            return share
+        return min(math.ceil(self.margin * demand_rows * self.mean_prompt / self.mean_output), share)
 
 
 class StepTimeCorrection:
@@ -215,8 +221,11 @@ class StepBudget:
         self.correction = correction or StepTimeCorrection()
         self.supply = supply
 
-    def budget(self, decode_rows: int, decode_context: int, prefill_context: int = 0) -> int:
-        floor = self.supply.floor(decode_rows) if self.supply is not None else 0
+    def budget(self, decode_rows: int, decode_context: int, prefill_context: int = 0,
+               demand_rows: int | None = None) -> int:
+        """`demand_rows`: the batch the load asks for (default: the decodes running)."""
+        demand = decode_rows if demand_rows is None else demand_rows
+        floor = self.supply.floor(decode_rows, demand) if self.supply is not None else 0
         return choose_budget(self.model, self.target, self.cap, decode_rows, decode_context, prefill_context,
                              self.correction.scale, floor)
 
