@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # W4-shaped mixed load (long prompts among short ones) through router + 1 prefill + 1 decode
-# instance (1 thread each) against one colocated instance on 2 threads; summaries as JSON.
+# instance (1 thread each, pinned to core 0 and core 1 with taskset: each its own core, as on
+# two machines) against one colocated instance on 2 threads; summaries as JSON.
 # Usage: benchmarks/disagg_w4.sh OUT_DIR [NUM_PROMPTS] [CONCURRENCY] [LONG_INPUT_LEN]
 set -euo pipefail
 out=${1:?output directory}
@@ -14,10 +15,10 @@ pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
 common=(--kv-cache-memory 512MiB --max-model-len 2048 --uvicorn-log-level warning --disable-uvicorn-access-log)
-ps serve --port 8311 --num-threads 1 "${common[@]}" \
+taskset -c 0 $PY -m pagedserve.entrypoints.cli serve --port 8311 --num-threads 1 "${common[@]}" \
    --kv-transfer-config '{"kv_connector": "PagedServeConnector", "kv_role": "kv_producer", "lease_seconds": 60}' \
    > "$out/prefill.log" 2>&1 & pids+=($!)
-ps serve --port 8312 --num-threads 1 "${common[@]}" \
+taskset -c 1 $PY -m pagedserve.entrypoints.cli serve --port 8312 --num-threads 1 "${common[@]}" \
    --kv-transfer-config '{"kv_connector": "PagedServeConnector", "kv_role": "kv_consumer"}' \
    > "$out/decode.log" 2>&1 & pids+=($!)
 ps serve --port 8313 --num-threads 2 "${common[@]}" > "$out/colocated.log" 2>&1 & pids+=($!)
