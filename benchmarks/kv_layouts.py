@@ -132,7 +132,7 @@ def _map_prefix(prefix_tokens: int, per_block: bool) -> dict:
 
 
 def engine_workloads(scale: float):
-    from pagedserve.workload.datasets import random_dataset
+    from pagedserve.workload.datasets import mixed_dataset, random_dataset
 
     def n(x: int) -> int:
         return max(1, round(x * scale))
@@ -142,6 +142,9 @@ def engine_workloads(scale: float):
         "W2-small": (random_dataset(n(16), 128, n(32), range_ratio=0, seed=2), 16),
         # the study's shape (prompts 40-255, outputs 68-255 in the full run), all at once
         "study-small": (random_dataset(n(16), 144, n(64), range_ratio=0.777, output_range_ratio=0.6, seed=0), None),
+        "W3-small": (random_dataset(n(48), 256, n(32), range_ratio=0, seed=3), 32),
+        # every 8th prompt 2,000 tokens, the rest 64
+        "W4-small": (mixed_dataset(n(24), 64, 2000, 8, n(32), 0.0, seed=4), 16),
     }
 
 
