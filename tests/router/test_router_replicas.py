@@ -29,7 +29,7 @@ from pagedserve.router.cli import build_replica_router
 from pagedserve.model.sources import load_model_tokenizer
 from pagedserve.router.prompt_keys import PromptKeyer
 from pagedserve.workload.datasets import shared_prefix_dataset
-from server.server_process import ServerProcess, start_server
+from server.server_process import ServerProcess, start_server, wait_healthy
 
 REPLICA_FLAGS = ("--num-threads", "1", "--disable-uvicorn-access-log", "--no-dashboard")
 ROUTER_STARTUP_S = 30.0
@@ -64,14 +64,8 @@ def start_router(policy: str, backends: list[str]) -> RouterThread:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     router = RouterThread(server, thread, port)
-    deadline = time.monotonic() + ROUTER_STARTUP_S
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(router.url + "/health", timeout=2).status_code == 200:
-                return router
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
+    if wait_healthy(router.url, ROUTER_STARTUP_S, thread.is_alive):
+        return router
     router.stop()
     raise RuntimeError(f"the {policy} router did not become healthy")
 

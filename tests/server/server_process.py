@@ -74,15 +74,22 @@ def _launch(kind: str, cmd: list[str], log_path: Path, port: int, timeout_s: flo
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     server = ServerProcess(proc, port, log_path)
+    if wait_healthy(server.url, timeout_s, lambda: proc.poll() is None):
+        return server
+    if proc.poll() is not None:
+        raise RuntimeError(f"{kind} exited with {proc.returncode}:\n{server.log()[-3000:]}")
+    server.stop()
+    raise RuntimeError(f"{kind} did not become healthy in {timeout_s} s:\n{server.log()[-3000:]}")
+
+
+def wait_healthy(url: str, timeout_s: float, alive=lambda: True) -> bool:
+    """Poll url/health until it answers 200 (True), the deadline passes or alive() turns false (False)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{kind} exited with {proc.returncode}:\n{server.log()[-3000:]}")
+    while time.monotonic() < deadline and alive():
         try:
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                return server
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return True
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    server.stop()
-    raise RuntimeError(f"{kind} did not become healthy in {timeout_s} s:\n{server.log()[-3000:]}")
+    return False
