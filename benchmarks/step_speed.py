@@ -132,17 +132,19 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=1024)
     ap.add_argument("--kernels", default="auto",
                     help="comma-separated kernel paths (auto, native, torch), each optionally with a "
-                         "--quantization and a --kv-cache-dtype after colons (native:gguf, native:none:fp16); "
+                         "--quantization, a --kv-cache-dtype and --gguf-weights after colons (native:gguf, "
+                         "native:none:fp16, native:none:auto:dense); "
                          "each its own engine, decode steps interleaved: e.g. native,torch,native:gguf for "
                          "paired ratios")
     args = ap.parse_args()
 
-    choices = [(c.split(":") + ["none", "auto"])[:3] for c in args.kernels.split(",")]
+    defaults = ["auto", "none", "auto", "blocks"]
+    choices = [(parts := c.split(":")) + defaults[len(parts):] for c in args.kernels.split(",")]
     engines = [LLMEngine(EngineConfig(
         max_num_batched_tokens=max(args.prefill_len, args.decode_seqs * args.context),
         kv_cache_memory=1 << 30, enable_prefix_caching=False, kernels=kernels, quantization=quantization or "none",
-        kv_cache_dtype=kv_dtype or "auto",
-    )) for kernels, quantization, kv_dtype in choices]
+        kv_cache_dtype=kv_dtype or "auto", gguf_weights=weights or "blocks",
+    )) for kernels, quantization, kv_dtype, weights in choices]
     print(f"threads: {torch.get_num_threads()}")
     mm = measure_matmul_flops(2048, 2048, 2048) / 1e9
     bw = gemv_gbps()
@@ -151,12 +153,13 @@ def main() -> None:
     for engine, d in zip(engines, decodes):
         overhead = 1 - d["model_s"] / d["step_s"]
         print(f"[{engine.kernels} kernels, {engine.runner.backend.name} attention, "
-              f"{engine.config.quantization} weights, {engine.config.kv_cache_dtype} KV] decode: {args.decode_seqs} seqs "
+              f"{engine.config.quantization} weights ({engine.config.gguf_weights}), {engine.config.kv_cache_dtype} KV] decode: {args.decode_seqs} seqs "
               f"x ~{args.context} ctx: step {d['step_s'] * 1e3:.1f} ms, {d['gflops']:.1f} GFLOP/s = "
               f"{d['gflops'] / mm:.0%} of matmul rate; overhead outside the forward {overhead:.1%}")
     if len(engines) > 1:
         print("decode step time relative to the first: "
-              + ", ".join(f"{e.kernels}:{e.config.quantization}:{e.config.kv_cache_dtype} {d['step_s'] / decodes[0]['step_s']:.2f}x" for e, d in zip(engines, decodes)))
+              + ", ".join(f"{e.kernels}:{e.config.quantization}:{e.config.kv_cache_dtype}:{e.config.gguf_weights} "
+                        f"{d['step_s'] / decodes[0]['step_s']:.2f}x" for e, d in zip(engines, decodes)))
     engine, d = engines[0], decodes[0]
     gemm_s = linear_layers_seconds(engine, args.decode_seqs)
     print(f"ceiling: the step's GEMMs alone at {args.decode_seqs} rows take {gemm_s * 1e3:.1f} ms = "

@@ -9,7 +9,7 @@ from model_utils import greedy_generate, prefill_logits
 from pagedserve.attention.backend import ReferenceBackend
 from pagedserve.attention.native_backend import NativePagedAttention
 from pagedserve.kernels import resolve_kernels
-from pagedserve.model.loader import build_model, convert_gguf
+from pagedserve.model.loader import build_model, convert_gguf, gguf_blocks
 
 pytestmark = pytest.mark.oracle
 
@@ -18,15 +18,20 @@ pytestmark = pytest.mark.oracle
 LOGIT_ATOL = 1e-3
 
 
-@pytest.fixture(scope="module", params=[(True, "native"), (True, "torch"), (False, "torch")],
-                ids=["packed-native", "packed-torch", "plain-torch"])
+@pytest.fixture(scope="module", params=[("blocks", "native"), (True, "native"), (True, "torch"), (False, "torch")],
+                ids=["blocks-native", "packed-native", "packed-torch", "plain-torch"])
 def model_and_backend(request, gguf_path):
-    """Both linear-layer paths (weights prepacked for oneDNN, the default, and F.linear)
-    and both kernel paths (pagedserve's native ops and attention backend, and pure
-    torch with the per-sequence reference attention)."""
+    """Every linear-layer path (the GGUF's blocks multiplied in fp32, the engine's default
+    with native kernels; weights prepacked for oneDNN; F.linear) and both kernel paths
+    (pagedserve's native ops and attention backend, and pure torch with the per-sequence
+    reference attention)."""
     pack, kernels = request.param
     c = convert_gguf(gguf_path)
-    model = build_model(c.config, c.state, pack=pack)
+    if pack == "blocks":
+        entry = gguf_blocks(gguf_path, c.config, c.cache_dir)
+        model = build_model(c.config, entry["state"], qtypes=entry["qtypes"])
+    else:
+        model = build_model(c.config, c.state, pack=pack)
     model.set_kernels(resolve_kernels(kernels))
     return model, NativePagedAttention() if kernels == "native" else ReferenceBackend()
 

@@ -24,7 +24,7 @@ from .core.kv_plan import KV_CACHE_DTYPES, check_kv_cache_dtype
 from .core.step_budget import LatencyTarget
 from .core.validation import is_int
 from .kernels import KERNEL_CHOICES
-from .model.config import QUANTIZATION_CHOICES
+from .model.config import GGUF_WEIGHTS, QUANTIZATION_CHOICES
 from .model.device import DEVICE_CHOICES, DTYPE_CHOICES, check_device_options
 from .spec_decode.config import SpeculativeConfig
 
@@ -70,6 +70,10 @@ class EngineConfig:
         "help": "linear-layer weights: none (--dtype); q8_0, q4_0, q4_1 (llama.cpp blocks, quantised at load) or "
                 "gguf (a GGUF's own blocks, not inflated to fp32), CPU-only, on the native kernels; "
                 "fp8 (e4m3 with per-channel scales, through torch._scaled_mm)"})
+    gguf_weights: str = field(default="blocks", metadata={
+        "help": "with --quantization none: blocks (a GGUF's Q4_0/Q4_1/Q8_0 matrices read in place and multiplied "
+                "in fp32 by the native kernels: the same model at a sixth of the bytes, fastest at small batches) "
+                "or dense (inflated to fp32 matrices for oneDNN, which can be faster at large batches on AVX-512)"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "KV cache elements: auto (fp32), fp32, fp16 (half the bytes), fp8_e4m3 or fp8_e5m2 (a quarter); "
                 "narrower ones are converted to fp32 as attention reads them"})
@@ -115,6 +119,8 @@ class EngineConfig:
             self.kv_cache_memory = parse_memory(self.kv_cache_memory)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        if self.gguf_weights not in GGUF_WEIGHTS:
+            raise ValueError(f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         if self.quantization not in QUANTIZATION_CHOICES:
@@ -256,9 +262,9 @@ class EngineConfig:
             elif f.name in ("itl_target_ms", "ttft_target_ms", "gpu_memory_utilization"):
                 parser.add_argument(flag, type=float, default=f.default, help=help_text)
             elif f.name in ("policy", "scheduling_policy", "kernels", "quantization", "kv_cache_dtype", "device", "dtype",
-                            "kv_layout"):
+                            "kv_layout", "gguf_weights"):
                 choices = {"policy": POLICIES, "scheduling_policy": SCHEDULING_POLICIES, "kernels": KERNEL_CHOICES,
-                           "quantization": QUANTIZATION_CHOICES, "kv_cache_dtype": KV_CACHE_DTYPES,
+                           "quantization": QUANTIZATION_CHOICES, "gguf_weights": GGUF_WEIGHTS, "kv_cache_dtype": KV_CACHE_DTYPES,
                            "device": DEVICE_CHOICES, "dtype": DTYPE_CHOICES, "kv_layout": KV_LAYOUTS}[f.name]
                 parser.add_argument(flag, choices=choices, default=f.default, help=help_text)
             else:

@@ -146,10 +146,14 @@ class LLMEngine:
                 raise ValueError("tensor_parallel_size > 1 runs on the CPU (gloo) only; use device='cpu'")
         # Rank 0 of tensor parallelism is this process; the executor starts the other ranks.
         self.tp = TensorParallelExecutor(config) if config.tensor_parallel_size > 1 else None
+        self.kernels = "torch" if placement.on_gpu else resolve_kernels(config.kernels)
         try:
+            # fp32 on the native kernels reads a GGUF's Q4/Q8 blocks in place (the same model).
             self._build(config, loaded or (self.tp.loaded if self.tp is not None else load_model(
                 config.model, quantization=placement.load_quantization,
-                pack=None if placement.keeps_loaded_model else False)), start)
+                pack=None if placement.keeps_loaded_model else False,
+                keep_blocks=self.kernels == "native" and placement.keeps_loaded_model and config.gguf_weights == "blocks")),
+                start)
         except BaseException:
             self.shutdown()
             raise
@@ -158,7 +162,6 @@ class LLMEngine:
         placement = self.placement
         self.loaded = loaded
         self.tokenizer = self.loaded.tokenizer
-        self.kernels = "torch" if placement.on_gpu else resolve_kernels(config.kernels)
         self.loaded.model.set_kernels(self.kernels)
         mc = self.loaded.config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)

@@ -218,23 +218,25 @@ class LlamaModel(nn.Module):
 
         `qtypes` names the state's matrices that are GGUF blocks (weights.fuse_gguf_blocks)
         and their GGML types: those layers (and a tied head, from the embedding's blocks) run
-        on the blocks as they are. `quantization` q8_0 / q4_0 / q4_1 quantises every fp32
+        on the blocks as they are, in fp32 arithmetic when `quantization` is none (the fp32
+        model the blocks define) and in llama.cpp's int8 otherwise. q8_0 / q4_0 / q4_1 quantises every fp32
         linear layer at load, and the head to q8_0; the embedding stays fp32 (it is only indexed)."""
         state = dict(state)
         divisors = state.pop("rope_freq_divisors", None)
         if divisors is not None:
             self.rotary.set_freq_divisors(divisors)
+        activations = "fp32" if quantization == "none" else "int8"
         for name, qtype in (qtypes or {}).items():
             path = name.removesuffix(".weight")
             blocks = state.pop(name)
             if path == "embed":
                 self.embed = QuantEmbedding(blocks, qtype)
             else:
-                self.set_submodule(path, QuantLinear(blocks, qtype, state.pop(f"{path}.bias", None)))
+                self.set_submodule(path, QuantLinear(blocks, qtype, state.pop(f"{path}.bias", None), activations))
         self.load_state_dict(state, strict=True, assign=True)
         if self.lm_head is None:
             if isinstance(self.embed, QuantEmbedding):
-                self.lm_head = QuantLinear(self.embed.blocks, self.embed.qtype)
+                self.lm_head = QuantLinear(self.embed.blocks, self.embed.qtype, activations=activations)
             else:
                 self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
                 self.lm_head.weight = self.embed.weight  # packing copies it; the embedding keeps its own
@@ -257,8 +259,9 @@ class LlamaModel(nn.Module):
         if kernels not in ("native", "torch"):
             raise ValueError(f"kernels must be 'native' or 'torch', got {kernels!r}")
         if kernels == "torch" and any(isinstance(m, QuantLinear) for _, m in self.named_linears()):
-            raise ValueError("quantised linear layers run only on the native kernels (kernels='native' or 'auto' "
-                             "where the library can run); load the model with quantization='none' for the torch path")
+            raise ValueError("layers on GGUF blocks run only on the native kernels (kernels='native' or 'auto' "
+                             "where the library can run); load the model with quantization='none' and "
+                             "keep_blocks=False for the torch path")
         for module in self.modules():
             if isinstance(module, (RMSNorm, DecoderLayer)):
                 module.native = kernels == "native"

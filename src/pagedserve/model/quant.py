@@ -9,9 +9,13 @@ of a 4-bit block holds value j low and value j + 16 high. A weight [N, K] is the
 uint8 tensor [N, K / 32 * block bytes]: rows stay rows, so fusing q/k/v or gate/up
 (concatenating rows) and undoing llama.cpp's q/k row permutation work on raw blocks.
 
-QuantLinear repacks the blocks once for pagedserve's native op (kernels/csrc/
-quant_linear.cpp); there is no pure-torch forward, since dequantising every call would
-be slower than the fp32 layer it replaces: quantised models need the native kernels.
+QuantLinear repacks the blocks once for pagedserve's native ops, which read them in one
+of two ways: `activations="int8"` (kernels/csrc/quant_linear.cpp) quantises each row's
+activations too and multiplies in integers, llama.cpp's way; `activations="fp32"`
+(dequant_linear.cpp) dequantises the weights in registers and multiplies in fp32, which is
+the fp32 model the blocks define, exactly, at the blocks' bytes per weight. There is no
+pure-torch forward, since dequantising every call would be slower than the fp32 layer it
+replaces: these layers need the native kernels.
 """
 from __future__ import annotations
 
@@ -103,16 +107,25 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(x.shape), (amax / 127).squeeze(-1)
 
 
-class QuantLinear(nn.Module):
-    """A linear layer on Q8_0 / Q4_0 / Q4_1 blocks; `bias` (fp32) optional."""
+ACTIVATIONS = ("int8", "fp32")
 
-    def __init__(self, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None = None):
+
+class QuantLinear(nn.Module):
+    """A linear layer on Q8_0 / Q4_0 / Q4_1 blocks; `bias` (fp32) optional; `activations`
+    int8 (quantised on the fly) or fp32 (the dequantised weights' exact fp32 product)."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None = None,
+                 activations: str = "int8"):
         super().__init__()
         if qtype not in BLOCK_BYTES:
             raise ValueError(f"unsupported qtype {qtype}; supported: {QTYPES}")
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
         reason = native_unavailable_reason()  # also loads the library
         if reason is not None:
             raise ValueError(f"quantised linear layers need pagedserve's native kernels, which cannot run here: {reason}")
+        self.activations = activations
+        self._op = torch.ops.pagedserve.quant_linear if activations == "int8" else torch.ops.pagedserve.dequant_linear
         self.qtype = qtype
         self.out_features = blocks.shape[0]
         self.in_features = blocks.shape[1] // BLOCK_BYTES[qtype] * BLOCK
@@ -126,10 +139,11 @@ class QuantLinear(nn.Module):
         return cls(quantize_blocks(weight, qtype), qtype, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.pagedserve.quant_linear(x, self.packed, self.qtype, self.out_features, self.bias)
+        return self._op(x, self.packed, self.qtype, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {QTYPE_NAMES[self.qtype]}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {QTYPE_NAMES[self.qtype]}, "
+                f"{self.activations} activations")
 
 
 class QuantEmbedding(nn.Module):

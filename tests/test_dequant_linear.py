@@ -1,0 +1,118 @@
+"""The fp32 linear op on GGUF blocks (kernels/csrc/dequant_linear.cpp): the fp32 model a
+GGUF's Q4_0 / Q4_1 / Q8_0 matrices define, computed from the blocks.
+
+Its arithmetic is defined exactly: each output is fma(x[k], w[k], acc) for k = 0 .. K-1 from
+acc = 0, with w[k] the dequantised weight (d * q + m, exact in fp32), then + bias. The
+reference below runs that in float64 (the product is exact there and the sum rounds once
+to float64, then to fp32), which can differ from one fp32 rounding only when the float64
+sum lands on an fp32 tie: never in these fixed-seed cases, so the op must equal it bit for
+bit. Then every path the op takes (in-register dequantisation below 4 rows, the
+dequantise-to-L1 GEMM above, AVX2 or AVX-512, any row count or thread count) must give
+each row the same bits.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagedserve.kernels import resolve_kernels
+from pagedserve.model.quant import QTYPES, QuantLinear, dequantize_blocks, quantize_blocks
+
+resolve_kernels("native")  # loads the op library; a broken build fails here rather than skipping
+
+BLOCK_TYPES = ["q4_0", "q4_1", "q8_0"]
+
+
+def weights(n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
+    w[0, :32] = 0  # an all-zero block
+    w[-1, 3] = 25.0  # an outlier owns its block's scale
+    return w
+
+
+def sequential_fma_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)
+    xd, wd = x.double(), w.double()
+    for k in range(x.shape[1]):
+        acc = (acc.double() + xd[:, k : k + 1] * wd[:, k][None, :]).float()
+    return acc if bias is None else acc + bias
+
+
+@pytest.fixture
+def isa():
+    """Restores the op's instruction-set choice after a test that forces one."""
+    before = os.environ.get("PAGEDSERVE_NATIVE_ISA")
+    yield
+    if before is None:
+        os.environ.pop("PAGEDSERVE_NATIVE_ISA", None)
+    else:
+        os.environ["PAGEDSERVE_NATIVE_ISA"] = before
+
+
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+@pytest.mark.parametrize("n,k", [(40, 576), (13, 64), (9, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("path", ["auto", "avx2"])
+def test_op_is_the_sequential_fp32_product_of_the_dequantised_weights(name, n, k, with_bias, path, isa) -> None:
+    qtype = QTYPES[name]
+    blocks = quantize_blocks(weights(n, k, seed=n + k), qtype)
+    bias = torch.randn(n) if with_bias else None
+    layer = QuantLinear(blocks, qtype, bias, activations="fp32")
+    x = torch.randn(11, k) * torch.rand(11, 1) * 3
+    x[2] = 0
+    os.environ["PAGEDSERVE_NATIVE_ISA"] = path
+    ref = sequential_fma_reference(x, dequantize_blocks(blocks, qtype), bias)
+    for rows in (1, 2, 3, 4, 7, 11):  # the in-register path below 4 rows, the GEMM path above
+        assert torch.equal(layer(x[:rows]), ref[:rows]), (name, n, k, rows)
+
+
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+def test_a_rows_bits_do_not_depend_on_batch_threads_or_instruction_set(name, isa) -> None:
+    qtype = QTYPES[name]
+    n, k = 8 * 4 * 3 + 5, 320  # three whole 4-tile groups, then a partial tile
+    blocks = quantize_blocks(weights(n, k, seed=7), qtype)
+    layer = QuantLinear(blocks, qtype, torch.randn(n), activations="fp32")
+    x = torch.randn(300, k)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for path in ("auto", "avx2"):
+                os.environ["PAGEDSERVE_NATIVE_ISA"] = path
+                for rows in (300, 64, 17, 6, 3, 1):
+                    results.append(layer(x[:rows]))
+    finally:
+        torch.set_num_threads(before)
+    full = results[0]
+    for y in results:
+        assert torch.equal(y, full[: y.shape[0]])
+
+
+def test_layer_keeps_leading_dims_and_matches_the_dense_fp32_layer() -> None:
+    """Against torch's own fp32 linear on the dequantised matrix: equal up to summation order."""
+    blocks = quantize_blocks(weights(96, 576, seed=3), QTYPES["q4_1"])
+    layer = QuantLinear(blocks, QTYPES["q4_1"], activations="fp32")
+    x = torch.randn(2, 9, 576)
+    y = layer(x)
+    assert y.shape == (2, 9, 96)
+    dense = torch.nn.functional.linear(x, dequantize_blocks(blocks, QTYPES["q4_1"]))
+    torch.testing.assert_close(y, dense, rtol=1e-5, atol=1e-4)
+    assert layer(torch.empty(0, 576)).shape == (0, 96)
+
+
+def test_op_rejects_mismatched_arguments() -> None:
+    layer = QuantLinear.from_float(weights(16, 64, seed=0), QTYPES["q8_0"])
+    with pytest.raises(RuntimeError, match="input features"):
+        torch.ops.pagedserve.dequant_linear(torch.randn(2, 96), layer.packed, QTYPES["q8_0"], 16, None)
+    with pytest.raises(RuntimeError, match="qtype"):
+        torch.ops.pagedserve.dequant_linear(torch.randn(1, 64), layer.packed, QTYPES["q4_1"], 16, None)
+    with pytest.raises(RuntimeError, match="out_features"):
+        torch.ops.pagedserve.dequant_linear(torch.randn(1, 64), layer.packed, QTYPES["q8_0"], 40, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.pagedserve.dequant_linear(torch.randn(1, 64).double(), layer.packed, QTYPES["q8_0"], 16, None)
+    with pytest.raises(ValueError, match="activations"):
+        QuantLinear(layer.packed.new_zeros(16, 68), QTYPES["q8_0"], activations="bf16")
