@@ -487,28 +487,7 @@ bool use_avx512() {
 
 at::Tensor dequant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t out_features,
                           const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0,
-              "dequant_linear: qtype must be a GGML type id of Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", qtype);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1, "dequant_linear: x must be float32");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
-                  packed.size(2) == tile_bytes(qtype),
-              "dequant_linear: packed must come from quant_repack with the same qtype");
-  const int64_t k = x.size(-1), nb = packed.size(1), ng = packed.size(0);
-  TORCH_CHECK(k == nb * kBlock, "dequant_linear: x has ", k, " input features, the weight ", nb * kBlock);
-  TORCH_CHECK(out_features > (ng - 1) * kTileCols && out_features <= ng * kTileCols,
-              "dequant_linear: out_features ", out_features, " does not match the packed weight");
-  at::Tensor bias_padded;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == out_features,
-                "dequant_linear: bias must be float32 [out_features]");
-    bias_padded = at::zeros({ng * kTileCols}, bias->options());
-    bias_padded.narrow(0, 0, out_features).copy_(*bias);
-  }
-  const at::Tensor in = x.contiguous();
-  const int64_t m = k ? in.numel() / k : 0;
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = out_features;
-  at::Tensor out = at::empty(out_shape, x.options());
+  auto [in, out, bias_padded, k, nb, ng, m] = check_tiled_linear("dequant_linear", x, packed, qtype, out_features, bias);
   if (m == 0) return out;
   const float* src = in.data_ptr<float>();
   const uint8_t* tiles = packed.data_ptr<uint8_t>();

@@ -206,28 +206,7 @@ void rows_dot(int64_t rows, const uint8_t* tiles, int64_t nb, const int8_t* qa, 
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t out_features,
                         const std::optional<at::Tensor>& bias) {
-  check_qtype(qtype);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1, "quant_linear: x must be float32");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
-                  packed.size(2) == tile_bytes(qtype),
-              "quant_linear: packed must come from quant_repack with the same qtype");
-  const int64_t k = x.size(-1), nb = packed.size(1), ng = packed.size(0);
-  TORCH_CHECK(k == nb * kBlock, "quant_linear: x has ", k, " input features, the weight ", nb * kBlock);
-  TORCH_CHECK(out_features > (ng - 1) * kTileCols && out_features <= ng * kTileCols,
-              "quant_linear: out_features ", out_features, " does not match the packed weight");
-  // The epilogue reads a full tile of bias; pad a copy when the last tile is partial.
-  at::Tensor bias_padded;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == out_features,
-                "quant_linear: bias must be float32 [out_features]");
-    bias_padded = at::zeros({ng * kTileCols}, bias->options());
-    bias_padded.narrow(0, 0, out_features).copy_(*bias);
-  }
-  const at::Tensor in = x.contiguous();
-  const int64_t m = k ? in.numel() / k : 0;
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = out_features;
-  at::Tensor out = at::empty(out_shape, x.options());
+  auto [in, out, bias_padded, k, nb, ng, m] = check_tiled_linear("quant_linear", x, packed, qtype, out_features, bias);
   if (m == 0) return out;
 
   at::Tensor qa = at::empty({m, k}, x.options().dtype(at::kChar));
@@ -265,6 +244,35 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t q
 }
 
 }  // namespace
+
+TiledLinear check_tiled_linear(const char* op, const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
+                               int64_t out_features, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, op,
+              ": qtype must be a GGML type id of Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", qtype);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1, op, ": x must be float32");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.size(2) == tile_bytes(qtype),
+              op, ": packed must come from quant_repack with the same qtype");
+  TiledLinear a;
+  a.k = x.size(-1);
+  a.nb = packed.size(1);
+  a.ng = packed.size(0);
+  TORCH_CHECK(a.k == a.nb * kBlock, op, ": x has ", a.k, " input features, the weight ", a.nb * kBlock);
+  TORCH_CHECK(out_features > (a.ng - 1) * kTileCols && out_features <= a.ng * kTileCols, op, ": out_features ",
+              out_features, " does not match the packed weight");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == out_features, op,
+                ": bias must be float32 [out_features]");
+    a.bias_padded = at::zeros({a.ng * kTileCols}, bias->options());
+    a.bias_padded.narrow(0, 0, out_features).copy_(*bias);
+  }
+  a.in = x.contiguous();
+  a.m = a.k ? a.in.numel() / a.k : 0;
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = out_features;
+  a.out = at::empty(out_shape, x.options());
+  return a;
+}
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("quant_repack(Tensor blocks, int qtype) -> Tensor", &quant_repack);

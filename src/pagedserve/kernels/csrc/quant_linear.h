@@ -6,7 +6,10 @@
 // holds value j in its low nibble and value j + 16 in its high nibble.
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <cstdint>
+#include <optional>
 
 namespace pagedserve::quant {
 
@@ -32,5 +35,16 @@ inline int64_t gguf_block_bytes(int64_t qtype) {
 // in fp16), then four 32-byte vectors whose low nibbles are chunk 2v and high nibbles
 // chunk 2v+1 in the same lane order.
 inline int64_t tile_bytes(int64_t qtype) { return qtype == kQ8_0 ? 16 + 8 * 32 : 32 + 4 * 32; }
+
+// The arguments of a linear op on packed tiles, checked (errors name `op`), with the
+// output allocated and the bias padded to whole tiles (the epilogues read a full tile).
+struct TiledLinear {
+  at::Tensor in;           // x, contiguous
+  at::Tensor out;          // [..., out_features], uninitialised
+  at::Tensor bias_padded;  // [tiles * 8] or undefined
+  int64_t k, nb, ng, m;    // input features, blocks per row, tile groups, rows
+};
+TiledLinear check_tiled_linear(const char* op, const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
+                               int64_t out_features, const std::optional<at::Tensor>& bias);
 
 }  // namespace pagedserve::quant
