@@ -205,7 +205,7 @@ void gemm_chunk(const float* x, int64_t ldx, int64_t k0, int64_t kc, const float
 }
 
 constexpr int kGemmRows = 6;     // 6 x 2 accumulators + 2 weights + 1 broadcast = 15 ymm
-constexpr int64_t kChunk = 128;  // k values per dequantised chunk: 128 x 16 fp32 = 8 KB, in L1
+constexpr int64_t kChunk = 128;  // k values per dequantised chunk: 128 x 16 (AVX-512: 32) fp32 = 8 (16) KB, in L1
 
 template <int NT>
 void gemm_rows(int64_t rows, const float* x, int64_t ldx, int64_t k0, int64_t kc, const float* buf, int64_t ldb,
@@ -291,7 +291,7 @@ struct Gemm {
   }
 };
 
-// Rows m >= kInRegisterRows: tiles a group at a time, each chunk of K dequantised once into
+// Rows from kInRegisterRows (AVX-512: kInRegisterRows512) up: tiles a group at a time, each chunk of K dequantised once into
 // an L1 buffer and used by every row; partial sums wait in `out` (a float stored and
 // reloaded is the same float, so the order stays k = 0, 1, ...). A group cut short by the
 // end of the matrix (or its padded last tile) accumulates in a scratch tile whose
@@ -338,7 +338,7 @@ void run_gemm(int64_t tile0, int64_t ntiles, int64_t m, const uint8_t* tiles, in
   }
 }
 
-// Rows m < kInRegisterRows: the weights dequantised in registers as they are used, four
+// Rows below kInRegisterRows (AVX-512: kInRegisterRows512): the weights dequantised in registers as they are used, four
 // tiles at a time so that enough independent fma chains hide the fma latency at one row.
 constexpr int64_t kInRegisterRows = 4;
 // With AVX-512's 32 registers a four-tile group holds 5 rows' accumulators (10 zmm); at
