@@ -179,3 +179,19 @@ def test_redos_patterns_compile_fast_and_generate(llm, pattern):
     # Every prefix of a match is a match here, so even a length-cut output must match.
     assert re.fullmatch(pattern, out[0].outputs[0].text), out[0].outputs[0].text
     assert_all_blocks_free(llm)
+
+
+def test_a_grammar_the_vocabulary_cannot_finish_ends_with_error_and_a_valid_prefix(llm):
+    # The choice's 4-byte character starts with byte f1, which no SmolLM2 token spells.
+    choice = "\u008e\u00c3\u009a\U0007ff69"
+    spec = StructuredOutputs(choice=[choice, "ok"])
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=32, structured_outputs=spec) for seed in range(6)]
+    params.append(SamplingParams(temperature=0, max_tokens=32, n=2, structured_outputs=StructuredOutputs(choice=[choice])))
+    outs = llm.generate(["Hey"] * len(params), params, use_tqdm=False)
+    for out in outs:
+        for c in out.outputs:
+            # Either the choice the vocabulary can spell, or a prefix of the other and "error".
+            assert (c.text, c.finish_reason) == ("ok", "stop") or (
+                c.finish_reason == "error" and choice.startswith(c.text) and len(c.text) <= 3), (c.text, c.finish_reason)
+    assert any(c.finish_reason == "error" for out in outs for c in out.outputs)
+    assert_all_blocks_free(llm)

@@ -1,13 +1,23 @@
 """Structured output without the model's forward: spec validation, the bitmask
-application, matcher fork, the compiled-grammar cache and its time limit."""
+application, matcher fork, the compiled-grammar cache and its time limit, and the
+runner's redraw of a token the grammar's matcher refuses."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from pagedserve import SamplingParams, StructuredOutputs
+from pagedserve.core.outputs import ScheduledRequest
+from pagedserve.core.request import Request
+from pagedserve.sampling_state import SamplingState
+from pagedserve.structured_output.backend import Matcher
 from pagedserve.structured_output.logits import advance, apply_bitmask, bitmask_words, constrain
+from pagedserve.worker.row_sampling import sample_rows
 
+# A choice SmolLM2 cannot spell (its byte f1 has no token), and the tokens of its spellable start.
+UNSPELLABLE = "\u008e\u00c3\u009a\U0007ff69"
+UNSPELLABLE_PREFIX_TOKENS = [141, 232, 31173, 141, 244]
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +172,85 @@ def test_missing_backend_package_is_a_value_error(tokenizer, monkeypatch):
         make_backend("llguidance", tokenizer, tokenizer.vocab_size)
     with pytest.raises(ValueError, match="backend must be one of"):
         make_backend("xgrammar", tokenizer, tokenizer.vocab_size)
+
+
+class MaskAllowsMore(Matcher):
+    """A matcher whose mask also allows `refused`, which its consume then refuses (the
+    llguidance defect class the runner guards against); every other token is fine."""
+
+    def __init__(self, refused: set[int], vocab: int):
+        self.refused, self.vocab, self.consumed, self._error = refused, vocab, [], None
+
+    def fill_bitmask(self, bitmask, row):
+        bitmask[row] = -1
+
+    def valid_prefix(self, token_ids):
+        return next((i for i, t in enumerate(token_ids) if t in self.refused), len(token_ids))
+
+    def accept(self, token_ids):
+        n = self.valid_prefix(token_ids)
+        self.consumed.extend(token_ids[:n])
+        if n < len(token_ids):
+            self._error = f"token {token_ids[n]} refused"
+        return self._error is None
+
+    def fork(self):
+        return MaskAllowsMore(self.refused, self.vocab)
+
+    @property
+    def is_terminated(self):
+        return self._error is not None
+
+    @property
+    def error(self):
+        return self._error
+
+
+def scheduled(req, num_new=1, num_samples=1, drafts=()):
+    return ScheduledRequest(req, req.request_id, num_new, 0, False, (), None, num_samples, False, tuple(drafts))
+
+
+def test_a_token_the_matcher_refuses_is_redrawn_from_the_rest_of_the_row():
+    vocab = 8
+    params = SamplingParams(temperature=0, logprobs=2)
+    matcher = MaskAllowsMore({3, 5}, vocab)
+    plain = Request("plain", [0], 10, sampling=SamplingState(params, None))
+    grammar = Request("grammar", [0], 10, sampling=SamplingState(params, None, matcher=matcher))
+    logits = torch.tensor([[0.0, 1, 2, 9, 3, 8, 4, 5]]).repeat(2, 1)
+    out = sample_rows(logits, [scheduled(plain), scheduled(grammar)], np.array([0, 1]))
+    # Greedy: 3, then 5 are refused, so the grammar row takes the next best, 7.
+    assert out.sampled == {"plain": [3], "grammar": [7]} and matcher.consumed == [7] and not matcher.error
+    assert out.logprobs.token_ids[1, 0] == 7 and out.logprobs.sampled_ranks[1] == 1  # ranked among what remains
+    assert out.logprobs.token_ids[0, 0] == 3
+
+
+def test_speculative_and_forked_rows_keep_only_what_the_grammar_accepts():
+    vocab = 8
+    greedy = SamplingParams(temperature=0)
+    matcher = MaskAllowsMore({5}, vocab)
+    spec = Request("spec", [0], 10, sampling=SamplingState(greedy, None, matcher=matcher))
+    # Drafts (2, 5): the target agrees with both, but 5 is refused at position 1 and redrawn.
+    logits = torch.tensor([[0.0, 0, 9, 0, 0, 0, 0, 0], [0, 0, 0, 0, 1, 9, 0, 0], [9.0, 0, 0, 0, 0, 0, 0, 0]])
+    out = sample_rows(logits, [scheduled(spec, 3, 3, (2, 5))], np.array([0]))
+    assert out.sampled == {"spec": [2, 4]} and matcher.consumed == [2, 4]
+    forks = [MaskAllowsMore({1}, vocab), MaskAllowsMore(set(), vocab)]
+    parent = Request("fork", [0], 10, n=2, sampling=SamplingState(greedy, None, [None, None], forks[0], forks))
+    out = sample_rows(torch.tensor([[0.0, 9, 8, 0, 0, 0, 0, 0]]).repeat(2, 1), [scheduled(parent, 1, 2)], np.array([0]))
+    assert out.sampled == {"fork": [2, 1]} and forks[0].consumed == [2] and forks[1].consumed == [1]
+
+
+def test_a_row_with_nothing_left_keeps_the_refused_token_last_and_fails_its_matcher():
+    vocab = 4
+    matcher = MaskAllowsMore({0, 1, 2, 3}, vocab)
+    req = Request("r", [0], 10, sampling=SamplingState(SamplingParams(temperature=0), None, matcher=matcher))
+    out = sample_rows(torch.tensor([[0.0, 3, 2, 1]]), [scheduled(req)], np.array([0]))
+    assert out.sampled == {"r": [1]} and matcher.error == "token 1 refused" and matcher.consumed == []
+
+
+def test_llguidance_mask_allows_a_token_its_matcher_refuses(manager, tokenizer):
+    """The upstream defect, pinned so that a fixed llguidance shows here: the choice's
+    byte f1 has no token in SmolLM2's vocabulary, yet the mask allows byte bf."""
+    matcher = manager.matchers(StructuredOutputs(choice=[UNSPELLABLE]), 1)[0]
+    assert matcher.accept(UNSPELLABLE_PREFIX_TOKENS)
+    assert allowed(matcher, tokenizer.vocab_size) == {140}
+    assert matcher.valid_prefix([140]) == 0 and not matcher.error

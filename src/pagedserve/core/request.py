@@ -24,6 +24,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 4
     FINISHED_LENGTH = 5
     FINISHED_ABORTED = 6
+    # Structured output reached a point no token of the vocabulary can continue.
+    FINISHED_ERROR = 7
 
     @property
     def is_finished(self) -> bool:
@@ -31,7 +33,7 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        """The OpenAI-style reason ("stop", "length", "abort"), None while unfinished."""
+        """The OpenAI-style reason ("stop", "length", "abort", "error"), None while unfinished."""
         return _FINISH_REASONS.get(self)
 
 
@@ -39,6 +41,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

@@ -395,6 +395,15 @@ class LLMEngine:
             seq = self._new_sequence(tracked, req)
         out = seq.output
         self._streamed.append(out)
+        matcher = req.sampling.matcher
+        if matcher is not None and matcher.error:
+            # The runner keeps a token the grammar refuses only when no token of the
+            # vocabulary continues it, and keeps it last: it is not part of the output.
+            logger.warning("request %s: structured output failed: %s", req.request_id, matcher.error)
+            new_ids = new_ids[:-1]
+            if finished is None:
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
+            finished = RequestStatus.FINISHED_ERROR
         delta, stop, new_ids = self._detokenize(seq.detokenizer, new_ids)
         out.token_ids.extend(new_ids)
         out.delta_token_ids.extend(new_ids)
@@ -411,12 +420,8 @@ class LLMEngine:
         if stop is not None and finished is None:
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
             finished, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-        matcher = req.sampling.matcher
         if finished is None and matcher is not None and matcher.is_terminated:
-            # The grammar is complete (only EOS could follow, which ignore_eos would
-            # refuse to stop on) or its matcher failed: either way nothing more can come.
-            if matcher.error:
-                logger.warning("request %s: structured output failed: %s", req.request_id, matcher.error)
+            # The grammar is complete: only EOS could follow, which ignore_eos would refuse to stop on.
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
             finished = RequestStatus.FINISHED_STOPPED
         if finished is not None:

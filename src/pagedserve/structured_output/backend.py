@@ -25,6 +25,10 @@ class Matcher(ABC):
         """Advance over sampled tokens; False (and `error` set) if one is not allowed."""
 
     @abstractmethod
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of `token_ids` the grammar would accept, without moving."""
+
+    @abstractmethod
     def fork(self) -> Matcher:
         """An independent copy in the same state."""
 

@@ -36,6 +36,9 @@ class LLGuidanceMatcher(Matcher):
     def accept(self, token_ids: Sequence[int]) -> bool:
         return self._m.consume_tokens(list(token_ids))
 
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        return self._m.validate_tokens(list(token_ids))
+
     def fork(self) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self._m.deep_copy())
 

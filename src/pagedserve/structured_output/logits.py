@@ -43,7 +43,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tenso
 def advance(matcher: Matcher, token_ids: Sequence[int]) -> None:
     """Move a request's matcher over the tokens it kept this step."""
     if not matcher.accept(token_ids):
-        # Cannot happen for tokens the masks allowed; the request then ends (is_terminated).
+        # The runner keeps a refused token only when nothing in its row was accepted
+        # (worker/row_sampling.py); the engine then ends the request with "error".
         logger.warning("structured output matcher rejected tokens %s: %s", list(token_ids), matcher.error)
 
 

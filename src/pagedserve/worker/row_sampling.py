@@ -3,6 +3,7 @@ fork rows (n samples, each with its child's generator) and speculative rows (one
 sample per verified position, then the accepted prefix; see spec_decode/verify.py)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,6 +18,13 @@ from ..structured_output.backend import Matcher
 from ..structured_output.logits import advance, constrain
 from .prompt_logprobs import PromptLogprobsChunk
 from .sampler import LogprobsTensors, SamplingRow, build_sampling_metadata, make_generator, sample
+
+logger = logging.getLogger(__name__)
+
+# A grammar's mask can allow a token its own matcher then refuses (llguidance's class of
+# "consume rejects a token the mask just allowed"); each refusal is redrawn from the rest
+# of the mask, this many times at most before the request ends with finish_reason "error".
+MAX_REDRAWS = 16
 
 
 @dataclass
@@ -83,6 +91,8 @@ def sample_rows(
         logits = logits.cpu()
     # Before any other processing, so penalties and filters only see allowed tokens.
     constrained = constrain(logits, matchers, drafts_before)
+    # The masked rows before `sample` consumes them, to redraw a token the grammar refuses.
+    masked = dict(zip(constrained, logits[constrained])) if constrained else {}
     result = sample(logits, meta)
     tokens = result.sampled_token_ids.cpu().numpy()
     keep = np.fromiter((s.num_samples for s in sampling), np.int64, len(sampling))
@@ -95,14 +105,61 @@ def sample_rows(
         s.request_id: tokens[f : f + n].tolist() for s, f, n in zip(sampling, first_logits_row.tolist(), keep.tolist())
     }
     if constrained:
-        for s in sampling:
+        redraw = _Redraw(masked, rows, logits.shape[-1], eos_token_ids, result.logprobs)
+        for s, f in zip(sampling, first_logits_row.tolist()):
             state: SamplingState = s.request.sampling
             kept = sampled[s.request_id]
             if s.num_samples > 1 and not s.draft_token_ids:
-                for matcher, token in zip(state.fork_matchers, kept):
+                for i, matcher in enumerate(state.fork_matchers):
                     if matcher is not None:
-                        advance(matcher, (token,))
+                        kept[i : i + 1] = redraw.accepted(matcher, kept[i : i + 1], f + i)
+                        advance(matcher, kept[i : i + 1])
             elif state.matcher is not None:
+                kept[:] = redraw.accepted(state.matcher, kept, f)
                 advance(state.matcher, kept)
     logprob_samples = [samples[r] for r in result.logprobs.rows.tolist()] if result.logprobs else []
     return RunnerOutput(sampled, result.logprobs, logprob_samples)
+
+
+@dataclass
+class _Redraw:
+    """Replaces a sampled token its grammar refuses by a fresh draw from the rest of the row."""
+
+    masked: dict[int, torch.Tensor]  # logits row -> its masked logits, before sampling
+    rows: list[SamplingRow]
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    logprobs: LogprobsTensors | None
+
+    def accepted(self, matcher: Matcher, kept: list[int], first_row: int) -> list[int]:
+        """`kept` (logits rows first_row ..) cut at its first refused token, which is
+        redrawn. If no token of the row is accepted, the refused one is kept last:
+        the matcher then fails on it and the request ends (finish_reason "error")."""
+        m = matcher.valid_prefix(kept)
+        if m == len(kept):
+            return kept
+        row, refused = first_row + m, kept[m]
+        logits = self.masked[row]
+        for _ in range(MAX_REDRAWS):
+            logits[refused] = float("-inf")
+            if logits.max().item() == float("-inf"):
+                break
+            out = sample(logits.unsqueeze(0).clone(),
+                         build_sampling_metadata([self.rows[row]], self.vocab_size, self.eos_token_ids))
+            token = int(out.sampled_token_ids[0])
+            if matcher.valid_prefix([*kept[:m], token]) == m + 1:
+                self._replace_logprobs(row, out.logprobs)
+                return [*kept[:m], token]
+            refused = token
+        logger.warning("structured output: no token continues the grammar after %s (last refused %d)",
+                       kept[:m], refused)
+        return kept[: m + 1]
+
+    def _replace_logprobs(self, row: int, new: LogprobsTensors | None) -> None:
+        if self.logprobs is None or new is None:
+            return
+        entry = (self.logprobs.rows == row).nonzero().flatten()
+        width = new.token_ids.shape[1]
+        self.logprobs.token_ids[entry, :width] = new.token_ids
+        self.logprobs.logprobs[entry, :width] = new.logprobs
+        self.logprobs.sampled_ranks[entry] = new.sampled_ranks

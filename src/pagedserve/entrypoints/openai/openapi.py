@@ -22,7 +22,7 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletion
                                                DetokenizeRequest)
 _REF = "#/components/schemas/{model}"
 
-FinishReason = Literal["stop", "length", "abort", "tool_calls"]
+FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
 
 
 class ErrorDetail(BaseModel):
