@@ -155,14 +155,12 @@ class PrimitiveTimers:
     is left of a step is the overhead that no calibrated primitive covers."""
 
     def __init__(self, engine):
-        import torch
-
         self.linear = 0.0
         self._handles = []
-        for module in engine.runner.model.modules():
-            if isinstance(module, torch.nn.Linear):
-                self._handles.append(module.register_forward_pre_hook(self._start))
-                self._handles.append(module.register_forward_hook(self._stop))
+        # The layers the linear ladder measures, whatever their kind (fp32, GGUF blocks, int8).
+        for module in engine.runner.model.linear_layers():
+            self._handles.append(module.register_forward_pre_hook(self._start))
+            self._handles.append(module.register_forward_hook(self._stop))
         self._open = ExitStack()
         self._attention = self._open.enter_context(engine.runner.attention_timer())
 
