@@ -1,4 +1,4 @@
-"""Where a single stream's inter-token gaps go: a step timeline of one W1-shaped run.
+"""Where a stream's inter-token gaps go: a step timeline of one run (W1-shaped by default).
 
 The real server (build_app + uvicorn, in this process) serves `pagedserve bench serve`
 (a separate process, the same streaming client as every peer comparison). Inside the
@@ -18,6 +18,8 @@ model); one with idle or delivery time is the server; one with a collection is t
 
     .venv/bin/python benchmarks/itl_timeline.py                      # W1: 8 x 128 in / 128 out
     .venv/bin/python benchmarks/itl_timeline.py --quantization gguf --out results/w1-timeline.json
+    .venv/bin/python benchmarks/itl_timeline.py --num-prompts 48 --input-len 128 --range-ratio 0.5 \
+        --output-len 64 --max-concurrency 16 --itl-target-ms 150        # the doctor's validation workload
 """
 from __future__ import annotations
 
@@ -130,6 +132,9 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--range-ratio", type=float, default=0.0)
+    parser.add_argument("--max-concurrency", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quantization", default="none")
     parser.add_argument("--itl-target-ms", type=float, default=None)
     parser.add_argument("--out", type=Path, default=None)
@@ -155,8 +160,9 @@ def main() -> int:
         client_start = time.perf_counter()
         subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "serve", "--base-url", url,
                         "--dataset-name", "random", "--input-len", str(args.input_len), "--output-len",
-                        str(args.output_len), "--range-ratio", "0", "--max-concurrency", "1", "--num-prompts",
-                        str(args.num_prompts), "--ignore-eos", "--no-progress", "--out", str(out)], check=True,
+                        str(args.output_len), "--range-ratio", str(args.range_ratio), "--max-concurrency",
+                        str(args.max_concurrency), "--num-prompts", str(args.num_prompts), "--seed", str(args.seed),
+                        "--vocab-size", "49152", "--ignore-eos", "--no-progress", "--out", str(out)], check=True,
                        stdout=subprocess.DEVNULL)
         report = json.loads(out.read_text())
     server.should_exit = True

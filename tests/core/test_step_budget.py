@@ -12,6 +12,7 @@ from pagedserve.core.step_budget import (
     max_prefill_tokens,
     predict_step,
     prefill_pairs,
+    step_parts,
 )
 
 MODEL = StepTimeModel(fixed_s=0.04, per_token_s=0.002, per_sample_s=0.001, per_context_token_s=1e-5,
@@ -62,24 +63,39 @@ def test_no_target_is_the_fixed_budget():
 
 
 def test_a_slower_machine_gets_smaller_budgets():
-    fast = choose_budget(MODEL, LatencyTarget(itl_s=0.5), 2048, 8, 800, scale=1.0)
-    slow = choose_budget(MODEL, LatencyTarget(itl_s=0.5), 2048, 8, 800, scale=2.0)
-    assert slow < fast
+    fast = choose_budget(MODEL, LatencyTarget(itl_s=0.5), 2048, 8, 800)
+    slow_prefill = choose_budget(MODEL, LatencyTarget(itl_s=0.5), 2048, 8, 800, prefill_scale=2.0)
+    slow_decode = choose_budget(MODEL, LatencyTarget(itl_s=0.5), 2048, 8, 800, decode_scale=2.0)
+    assert slow_prefill < fast and slow_decode < fast
 
 
 def test_correction_follows_the_machine_but_one_stall_cannot_swing_it():
     c = StepTimeCorrection(alpha=0.1, step_bound=2.0, total_bound=4.0)
-    c.observe(0.1, 100.0)  # a 1000x stall counts as 2x
-    assert c.scale == pytest.approx(0.9 + 0.1 * 2.0)
+    c.observe(0.1, 0.0, 100.0)  # a 1000x stall counts as 2x, even as the first observation
+    assert c.decode_scale == pytest.approx(2.0) and c.prefill_scale == 1.0
     for _ in range(200):
-        c.observe(0.1, 0.15)
-    assert c.scale == pytest.approx(1.5, rel=1e-3)
+        c.observe(0.1, 0.0, 0.15)
+    assert c.decode_scale == pytest.approx(1.5, rel=1e-3)
+    c.observe(0.1, 0.0, 100.0)  # once warmed up, a stall moves it by alpha * (2 - 1) of itself at most
+    assert c.decode_scale == pytest.approx(1.5 * 1.1, rel=1e-3)
     for _ in range(500):
-        c.observe(0.1, 100.0)
-    assert c.scale == 4.0  # bounded overall
-    c.observe(0.0, 1.0)
-    c.observe(0.1, math.nan)
-    assert c.scale == 4.0 and c.num_observed == 701
+        c.observe(0.1, 0.0, 100.0)
+    assert c.decode_scale == 4.0  # bounded overall
+    c.observe(0.0, 0.0, 1.0)
+    c.observe(0.1, 0.0, math.nan)
+    assert c.decode_scale == 4.0 and c.num_observed == 702
+
+
+def test_correction_learns_decode_and_prefill_apart():
+    # The machine as measured: decodes 1.1x the model, prefill chunks 1.8x.
+    c = StepTimeCorrection()
+    for i in range(300):
+        decode, prefill = 0.05, (0.05 if i % 3 else 0.0)  # two steps in three carry a chunk
+        c.observe(decode, prefill, 1.1 * decode + 1.8 * prefill)
+    assert c.decode_scale == pytest.approx(1.1, rel=1e-3) and c.prefill_scale == pytest.approx(1.8, rel=1e-3)
+    # A step with a sliver of prefill (under decode_share of it) informs the decode scale.
+    c.observe(0.1, 0.005, 0.3)
+    assert c.num_decode == 101 and c.decode_scale > 1.1
 
 
 def test_step_budget_learns_from_observed_steps():
@@ -87,8 +103,15 @@ def test_step_budget_learns_from_observed_steps():
     before = budget.budget(8, 800)
     for _ in range(100):
         budget.observe([(1, 100)] * 8, 8, 2 * predict_step(MODEL, [(1, 100)] * 8, 8))
-    assert budget.correction.scale == pytest.approx(2.0, rel=1e-3)
+    assert budget.correction.decode_scale == pytest.approx(2.0, rel=1e-3)
     assert budget.budget(8, 800) < before
+    decode_only = budget.budget(8, 800)
+    for _ in range(100):  # prefill chunks twice as slow as the model says, beside 8 decodes
+        rows = [(1, 100)] * 8 + [(64, 0)]
+        decode, prefill = step_parts(MODEL, rows, 8)
+        budget.observe(rows, 8, 2 * decode + 2 * prefill)
+    assert budget.correction.prefill_scale == pytest.approx(2.0, rel=1e-3)
+    assert budget.budget(8, 800) < decode_only
 
 
 @pytest.mark.parametrize("bad", [dict(itl_s=0), dict(ttft_s=-1.0), dict(itl_s=math.inf), dict(min_chunk=0),
@@ -113,6 +136,7 @@ def test_supply_floor_replaces_what_the_batch_finishes_up_to_the_fixed_step():
 
     supply = PromptSupply(step_tokens=256, margin=1.0)
     assert supply.floor(64, 64) == 192  # nothing finished yet: the fixed budget's share
+    assert supply.floor(64, 64, expected=(256, 128)) == 128  # or what the requests in the system say
     supply.observe(256, 128)
     assert supply.floor(16, 16) == 32  # 16 rows x 256 / 128
     assert supply.floor(8, 32) == 64  # supplies the batch the load asks for, not the one running

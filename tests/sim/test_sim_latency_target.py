@@ -40,7 +40,8 @@ def _check_clean(run) -> None:
     assert sched.kv_cache.pool.num_used == 0
     # The affine model fitted from the cost model is within 1.5x of the cost model's own
     # steps; the running correction absorbs the rest.
-    assert 1 / 1.5 <= sched.step_budget.correction.scale <= 1.5
+    correction = sched.step_budget.correction
+    assert 1 / 1.5 <= correction.decode_scale <= 1.5 and 1 / 1.5 <= correction.prefill_scale <= 1.5
 
 
 def test_target_meets_p99_itl_where_the_fixed_budget_misses():

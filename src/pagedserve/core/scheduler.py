@@ -205,7 +205,15 @@ class Scheduler:
             elif prefill_context is None:
                 prefill_context = r.num_computed_tokens
         demand = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
-        return self.step_budget.budget(rows, context, prefill_context or 0, demand)
+        expected = None
+        if self.step_budget.wants_expected_lengths:
+            # Until a request finishes, its peers' prompts and max_tokens stand in for the
+            # lengths the supply floor learns from finished ones.
+            present = [*self.running, *self.waiting]
+            if present:
+                expected = (sum(r.num_prompt_tokens for r in present) / len(present),
+                            sum(r.max_tokens for r in present) / len(present))
+        return self.step_budget.budget(rows, context, prefill_context or 0, demand, expected)
 
     def _wants_prefill_step(self) -> bool:
         """Whole-prompt policies: is the next prompt too long to sit beside the decodes?"""

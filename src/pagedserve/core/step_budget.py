@@ -73,16 +73,26 @@ def prefill_pairs(num_tokens: int, context: int) -> int:
 SHORT_QUERY_LEN = 16
 
 
-def predict_step(model: StepTimeModel, rows: list[tuple[int, int]], samples: int) -> float:
-    """Seconds of a step whose rows compute n new tokens after c computed ones."""
-    tokens = context = pairs = 0
+def step_parts(model: StepTimeModel, rows: list[tuple[int, int]], samples: int) -> tuple[float, float]:
+    """Predicted seconds of a step whose rows compute n new tokens after c computed ones,
+    as (decode part, prefill part): the fixed cost, samples and short queries (their
+    tokens and context reads: weight- and cache-bandwidth bound on a CPU) against the
+    prefill chunks' tokens and attention pairs (compute bound)."""
+    short_tokens = context = prefill_tokens = pairs = 0
     for n, c in rows:
-        tokens += n
         if n < SHORT_QUERY_LEN:
+            short_tokens += n
             context += c + n
         else:
+            prefill_tokens += n
             pairs += prefill_pairs(n, c)
-    return model.seconds(tokens, samples, context, pairs)
+    decode = model.seconds(short_tokens, samples, context, 0)
+    return decode, model.per_token_s * prefill_tokens + model.per_pair_s * pairs
+
+
+def predict_step(model: StepTimeModel, rows: list[tuple[int, int]], samples: int) -> float:
+    """Seconds of a step whose rows compute n new tokens after c computed ones."""
+    return sum(step_parts(model, rows, samples))
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,21 +130,22 @@ def choose_budget(
     decode_rows: int,
     decode_context: int,
     prefill_context: int = 0,
-    scale: float = 1.0,
+    decode_scale: float = 1.0,
+    prefill_scale: float = 1.0,
     floor: int = 0,
 ) -> int:
     """The step's token budget: the `decode_rows` decodes (reading `decode_context`
     context tokens in all) plus the prefill tokens the target allows, at most `cap`.
 
     `prefill_context` is the computed length of the prompt that would be chunked next
-    (its chunk attends over it); `scale` is the running correction of the model;
-    `floor` is the fewest prefill tokens to allow beside running decodes (the supply
-    floor), whatever the target says."""
+    (its chunk attends over it); the scales are the running corrections of the model's
+    decode and prefill parts (StepTimeCorrection); `floor` is the fewest prefill tokens
+    to allow beside running decodes (the supply floor), whatever the target says."""
     deadline = target.itl_s if decode_rows else target.ttft_s
     if deadline is None:
         return cap
-    base = scale * (model.decode_seconds(decode_rows, decode_context) + model.per_sample_s)
-    scaled = StepTimeModel(0.0, model.per_token_s * scale, 0.0, 0.0, model.per_pair_s * scale)
+    base = decode_scale * (model.decode_seconds(decode_rows, decode_context) + model.per_sample_s)
+    scaled = StepTimeModel(0.0, model.per_token_s * prefill_scale, 0.0, 0.0, model.per_pair_s * prefill_scale)
     prefill = max(target.min_chunk, floor if decode_rows else 0,
                   max_prefill_tokens(scaled, deadline, base, prefill_context))
     return max(1, min(cap, decode_rows + prefill))
@@ -147,9 +158,10 @@ class PromptSupply:
     (running plus waiting, up to max_num_seqs), not the batch running now, so a batch
     that starts small grows to it. The means are exponential averages over finished
     requests (aborted ones say nothing about lengths); until the first finishes, the
-    floor is the fixed budget's share. `margin` above 1 lets a batch that fell behind
-    refill; the floor never fills a step past `step_tokens` (the fixed budget a target
-    replaces), so where the supply asks for more, the step is the fixed budget's."""
+    caller's expectation stands in (the prompts and max_tokens of the requests in the
+    system), else the fixed budget's share. `margin` above 1 lets a batch that fell
+    behind refill; the floor never fills a step past `step_tokens` (the fixed budget a
+    target replaces), so where the supply asks for more, the step is the fixed budget's."""
 
     def __init__(self, step_tokens: int, alpha: float = 0.05, margin: float = 1.25):
         if not is_int(step_tokens) or step_tokens < 1:
@@ -170,42 +182,72 @@ class PromptSupply:
         self.mean_output += a * (output_tokens - self.mean_output)
         self.num_observed += 1
 
-    def floor(self, decode_rows: int, demand_rows: int) -> int:
+    def floor(self, decode_rows: int, demand_rows: int, expected: tuple[float, float] | None = None) -> int:
         """Prefill tokens for a step beside `decode_rows` decodes when the load asks for
-        a batch of `demand_rows`."""
+        a batch of `demand_rows`; `expected` is (mean prompt, mean output) to assume
+        while no request has finished."""
         if decode_rows <= 0:
             return 0
         share = max(0, self.step_tokens - decode_rows)
-        if self.num_observed == 0:
+        if self.num_observed:
+            prompt, output = self.mean_prompt, self.mean_output
+        elif expected is not None and expected[1] > 0:
+            prompt, output = expected
+        else:
             return share
-        return min(math.ceil(self.margin * demand_rows * self.mean_prompt / self.mean_output), share)
+        return min(math.ceil(self.margin * demand_rows * prompt / output), share)
 
 
 class StepTimeCorrection:
     """measured / predicted step time, smoothed and bounded, so the model follows the
     machine's drift (another process, a slower hour) but one stalled step cannot swing it.
 
+    Learnt apart for a step's decode part and its prefill part (step_parts), because a
+    shared machine's compute and memory speeds drift apart: measured on the engine
+    (2026-12-02, 16 streams under a 150 ms target), decode steps ran within 1.1x of the
+    calibration while prefill chunks beside them ran 1.6-1.9x slower, and one scale
+    that averaged the two let every mixed step overrun the target. A step whose
+    prefill is under `decode_share` of its prediction corrects the decode scale; any
+    other corrects the prefill scale with what the decode part (at its scale) leaves.
     Each observation's ratio is clipped to within a factor step_bound of the current
-    correction before it enters an exponential average, so a sustained change is
-    followed within tens of steps while a single outlier moves it by at most
-    alpha * (step_bound - 1); the average itself stays within [1/total_bound, total_bound]."""
+    scale before it enters an exponential average (the mean of the first 1 / alpha,
+    so a fresh engine learns in a few steps), so a sustained change is followed within
+    tens of steps while a single outlier moves it by at most alpha * (step_bound - 1);
+    each scale stays within [1/total_bound, total_bound]."""
 
-    def __init__(self, alpha: float = 0.1, step_bound: float = 2.0, total_bound: float = 4.0):
+    def __init__(self, alpha: float = 0.1, step_bound: float = 2.0, total_bound: float = 4.0,
+                 decode_share: float = 0.1):
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
         if step_bound < 1 or total_bound < 1:
             raise ValueError(f"bounds must be >= 1, got {step_bound!r}, {total_bound!r}")
-        self.alpha, self.step_bound, self.total_bound = alpha, step_bound, total_bound
-        self.scale = 1.0
-        self.num_observed = 0
+        if not 0 <= decode_share < 1:
+            raise ValueError(f"decode_share must be in [0, 1), got {decode_share!r}")
+        self.alpha, self.step_bound, self.total_bound, self.decode_share = alpha, step_bound, total_bound, decode_share
+        self.decode_scale = self.prefill_scale = 1.0
+        self.num_decode = self.num_prefill = 0
 
-    def observe(self, predicted_s: float, measured_s: float) -> None:
-        if predicted_s <= 0 or not math.isfinite(measured_s) or measured_s <= 0:
+    @property
+    def num_observed(self) -> int:
+        return self.num_decode + self.num_prefill
+
+    def observe(self, decode_s: float, prefill_s: float, measured_s: float) -> None:
+        """A step predicted as decode_s + prefill_s (unscaled) took measured_s."""
+        if not (math.isfinite(measured_s) and measured_s > 0 and decode_s >= 0 and prefill_s >= 0):
             return
-        ratio = min(max(measured_s / predicted_s, self.scale / self.step_bound), self.scale * self.step_bound)
-        scale = (1 - self.alpha) * self.scale + self.alpha * ratio
-        self.scale = min(max(scale, 1 / self.total_bound), self.total_bound)
-        self.num_observed += 1
+        if decode_s + prefill_s <= 0:
+            return
+        if prefill_s <= self.decode_share * (decode_s + prefill_s):
+            self.decode_scale, self.num_decode = self._update(self.decode_scale, self.num_decode, measured_s / decode_s)
+        else:
+            ratio = (measured_s - self.decode_scale * decode_s) / prefill_s
+            self.prefill_scale, self.num_prefill = self._update(self.prefill_scale, self.num_prefill, ratio)
+
+    def _update(self, scale: float, n: int, ratio: float) -> tuple[float, int]:
+        ratio = min(max(ratio, scale / self.step_bound), scale * self.step_bound)
+        a = max(self.alpha, 1 / (n + 1))
+        scale = (1 - a) * scale + a * ratio
+        return min(max(scale, 1 / self.total_bound), self.total_bound), n + 1
 
 
 class StepBudget:
@@ -222,12 +264,20 @@ class StepBudget:
         self.supply = supply
 
     def budget(self, decode_rows: int, decode_context: int, prefill_context: int = 0,
-               demand_rows: int | None = None) -> int:
-        """`demand_rows`: the batch the load asks for (default: the decodes running)."""
+               demand_rows: int | None = None, expected: tuple[float, float] | None = None) -> int:
+        """`demand_rows`: the batch the load asks for (default: the decodes running);
+        `expected`: (mean prompt, mean output) of the requests in the system, for the
+        supply floor until one finishes."""
         demand = decode_rows if demand_rows is None else demand_rows
-        floor = self.supply.floor(decode_rows, demand) if self.supply is not None else 0
+        floor = self.supply.floor(decode_rows, demand, expected) if self.supply is not None else 0
+        c = self.correction
         return choose_budget(self.model, self.target, self.cap, decode_rows, decode_context, prefill_context,
-                             self.correction.scale, floor)
+                             c.decode_scale, c.prefill_scale, floor)
+
+    @property
+    def wants_expected_lengths(self) -> bool:
+        """Whether the supply floor still needs the caller's expectation (nothing finished yet)."""
+        return self.supply is not None and self.supply.num_observed == 0
 
     def finished(self, prompt_tokens: int, output_tokens: int) -> None:
         """A request ended normally after computing prompt_tokens of its prompt (prefix
@@ -237,4 +287,4 @@ class StepBudget:
 
     def observe(self, rows: list[tuple[int, int]], samples: int, seconds: float) -> None:
         """A step of these (new tokens, computed before) rows took `seconds`."""
-        self.correction.observe(predict_step(self.model, rows, samples), seconds)
+        self.correction.observe(*step_parts(self.model, rows, samples), seconds)
