@@ -22,14 +22,15 @@ def test_compare_cli_writes_results_per_policy(tmp_path, capsys):
     out = tmp_path / "cmp.json"
     rc = main(["bench", "compare", "--policies", "naive,chunked", "--dataset-name", "random", "--num-prompts", "6",
                "--input-len", "16", "--output-len", "4", "--range-ratio", "0.5", "--kv-cache-memory", "16MiB",
-               "--serial-prompts", "3", "--out", str(out), "--plot", str(tmp_path / "plots")])
+               "--serial-prompts", "3", "--itl-target-ms", "200", "--out", str(out), "--plot", str(tmp_path / "plots")])
     assert rc == 0
     table = capsys.readouterr().out
     assert "x naive" in table and "chunked" in table
     data = json.loads(out.read_text())
     requests = random_dataset(6, 16, 4, 0.5)
     # naive serves one at a time, so --serial-prompts 3 gives it the first 3 requests only.
-    for policy, num in (("naive", 3), ("chunked", 6)):
+    assert list(data["results"]) == ["naive", "chunked", "chunked+target"] and data["setup"]["itl_target_ms"] == 200
+    for policy, num in (("naive", 3), ("chunked", 6), ("chunked+target", 6)):
         s = data["results"][policy]
         for key in ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "p99_itl_ms", "kv_waste"):
             assert s[key] == s[key], f"{policy} {key} is NaN"

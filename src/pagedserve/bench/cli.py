@@ -55,6 +55,8 @@ def add_bench_parser(sub) -> None:
                    help="naive and hf (one request at a time) run only the first N requests: same throughput "
                         "and ITL, far less time; their TTFT then counts a shorter queue")
     c.add_argument("--request-rate", type=float, default=math.inf)
+    c.add_argument("--itl-target-ms", type=float, default=None,
+                   help="also run chunked under this latency target (a row named chunked+target)")
     c.add_argument("--prefix-caching", choices=("on", "off"), default="on")
     c.add_argument("--n", type=int, default=1, help="samples per request (parallel sampling fan-out)")
     c.add_argument("--kv-cache-memory", default=None, help="e.g. 512MiB; default: the engine's")
@@ -104,7 +106,11 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
 
     policies = _names(args.policies, POLICIES, "policies")
     baselines = _names(args.baselines, compare.BASELINES, "baselines")
-    if not policies and not baselines:
+    # (row name, policy, extra engine options)
+    engine_runs = [(p, p, {}) for p in policies]
+    if args.itl_target_ms is not None:
+        engine_runs.append(("chunked+target", "chunked", {"itl_target_ms": args.itl_target_ms}))
+    if not engine_runs and not baselines:
         raise ValueError("policies and baselines are both empty")
     if args.n < 1:
         raise ValueError(f"n must be >= 1, got {args.n}")
@@ -119,7 +125,7 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
         options["kv_cache_memory"] = parse_memory(args.kv_cache_memory)
     setup = {"dataset": args.dataset_name, "num_prompts": len(requests), "n": args.n,
              "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
-             "prefix_caching": args.prefix_caching, "serial_prompts": len(serial)}
+             "prefix_caching": args.prefix_caching, "serial_prompts": len(serial), "itl_target_ms": args.itl_target_ms}
     runs = {}
 
     def write_json(summaries: dict) -> None:
@@ -132,13 +138,13 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
         if args.out:  # after every run, so a long study keeps what it has finished
             write_json({n: r.summary() for n, r in runs.items()})
 
-    if policies:
+    if engine_runs:
         loaded = load_model()
-        for p in policies:
-            runs[p] = compare.run_engine(loaded, p, serial if p == "naive" else requests,
-                                         max_concurrency=args.max_concurrency, request_rate=args.request_rate,
-                                         n=args.n, seed=args.seed, **options)
-            finished(p)
+        for name, p, extra in engine_runs:
+            runs[name] = compare.run_engine(loaded, p, serial if p == "naive" else requests,
+                                            max_concurrency=args.max_concurrency, request_rate=args.request_rate,
+                                            n=args.n, seed=args.seed, **options, **extra)
+            finished(name)
             gc.collect()  # the finished engine's KV pool, before the next one allocates its own
     if baselines:
         hf_model = compare.load_hf_model(default_model_path())
