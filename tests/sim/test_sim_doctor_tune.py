@@ -115,11 +115,20 @@ def test_tune_beats_the_default_and_meets_the_constraints(objective):
     result = tune(BASE, WORKLOAD, objective, concurrency=16, max_evals=16)
     best, default = result.best.figures, result.default.figures
     assert objective.key(best) >= objective.key(default)
-    assert objective.violation(best) == 0
+    assert objective.violation(best) == 0 and result.meets_constraints
+    assert "nearest miss" not in result.explain()
     assert result.num_evals <= 16
     # The printed figures are the configuration's own simulation.
     assert simulate_config(result.best.config, WORKLOAD, 16) == best
     assert all(objective.key(t.figures) <= objective.key(best) for t in result.runners_up)
+
+
+def test_an_unreachable_constraint_is_said_and_the_nearest_miss_returned():
+    objective = Objective(itl_target_ms=0.01)  # no configuration's p99 ITL is 10 us
+    result = tune(BASE, WORKLOAD, objective, concurrency=16, max_evals=8)
+    assert not result.meets_constraints and result.to_dict()["best_meets_constraints"] is False
+    assert "no simulated configuration meets the constraints" in result.explain()
+    assert all(objective.violation(t.figures) >= objective.violation(result.best.figures) for t in result.runners_up)
 
 
 def test_tune_is_deterministic_and_prints_flags(capsys):

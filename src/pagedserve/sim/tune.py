@@ -52,14 +52,21 @@ class TuneResult:
                     "config": asdict(t.config), "figures": t.figures}
 
         return {"objective": self.objective.describe(), "workload": self.workload, "default": trial(self.default),
-                "best": trial(self.best), "runners_up": [trial(t) for t in self.runners_up],
+                "best": trial(self.best), "best_meets_constraints": self.meets_constraints,
+                "runners_up": [trial(t) for t in self.runners_up],
                 "num_evals": self.num_evals, "num_rounds": self.num_rounds}
+
+    @property
+    def meets_constraints(self) -> bool:
+        return "error" not in self.best.figures and self.objective.violation(self.best.figures) == 0
 
     def explain(self) -> str:
         lines = [f"objective: {self.objective.describe()}",
                  f"workload: {self.workload}; {self.num_evals} configurations simulated in {self.num_rounds} "
                  "rounds of coordinate descent",
                  f"best:    {format_figures(self.best.figures)}",
+                 *([] if self.meets_constraints else [
+                     "  no simulated configuration meets the constraints: this is the nearest miss"]),
                  f"default: {format_figures(self.default.figures)}",
                  f"  changed: {changed_flags(self.default.config, self.best.config) or 'nothing (the default is best)'}",
                  f"  pagedserve serve {serve_flags(self.best.config)}",
