@@ -102,12 +102,14 @@ def lora_llm(loaded, adapter_paths, **options):
 # -- the layout and the delta ------------------------------------------------------------
 
 
-def test_fused_layout_matches_peft_per_projection(loaded, adapter_paths):
+@pytest.mark.parametrize("native", [True, False], ids=["native-op", "torch"])
+def test_fused_layout_matches_peft_per_projection(loaded, adapter_paths, native):
     """The fused A^T/B^T of one slot give, on the fused output, exactly each projection's
-    B @ A @ x * scaling in its own slice (and zeros where the adapter has no pair)."""
+    B @ A @ x * scaling in its own slice (and zeros where the adapter has no pair), with
+    the native op and with torch's segments."""
     config = loaded.config
     adapter = load_peft_adapter(adapter_paths["qv4"], config, 16)
-    slots = LoRASlots(config, 2, 16)
+    slots = LoRASlots(config, 2, 16, native=native and resolve_kernels("native") == "native")
     slots.add(7, adapter)
     shapes = fused_shapes(config)
     x = torch.randn(5, config.hidden_size)
@@ -135,14 +137,16 @@ def test_fused_layout_matches_peft_per_projection(loaded, adapter_paths):
 
 
 @torch.inference_mode()
-def test_logits_match_peft_alone_and_in_a_mixed_batch(loaded, adapter_paths, reference, prompt_ids):
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_logits_match_peft_alone_and_in_a_mixed_batch(loaded, adapter_paths, reference, prompt_ids, kernels):
     """One forward over the three adapters and the base model, every position's logits
-    against transformers + peft; then each sequence alone."""
+    against transformers + peft; then each sequence alone. Both kernel paths: the native
+    one applies the deltas with lora_add_, the torch one with its segment GEMMs."""
     model = loaded.model
-    kernels = resolve_kernels("auto")
+    kernels = resolve_kernels(kernels)
     model.set_kernels(kernels)
     backend = get_backend(default_backend_name(kernels))
-    slots = LoRASlots(model.config, 4, 16)
+    slots = LoRASlots(model.config, 4, 16, native=kernels == "native")
     for i, name in enumerate(SERVED):
         slots.add(i + 1, load_peft_adapter(adapter_paths[name], model.config, 16))
     names = [*SERVED, None]

@@ -180,7 +180,8 @@ class LLMEngine:
                               kv_dtype_bytes(config.kv_cache_dtype, placement.dtype))
         if self.tp is not None:
             self.tp.start(plan.num_blocks, config.block_size, config.kv_cache_dtype)
-        lora_slots = LoRASlots(mc, config.max_loras, config.max_lora_rank) if config.enable_lora else None
+        lora_slots = (LoRASlots(mc, config.max_loras, config.max_lora_rank, native=self.kernels == "native")
+                      if config.enable_lora else None)
         sched_config = config.scheduler_config(self.max_model_len)
         cache_config = config.cache_config(plan.num_blocks)
         # The contiguous layout: a demand-paged mapping (runner) and its page accounting (scheduler).

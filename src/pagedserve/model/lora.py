@@ -13,10 +13,12 @@ does not target stays zero. The GGUF's q/k permutation is undone at load, so PEF
 layout applies as it is.
 
 `LoRASlots` stacks `max_loras` adapters per fused layer. Per step, `LoRASlots.batch` sorts
-the tokens that run an adapter by slot; each fused layer then gathers those rows once, runs
-two small GEMMs per adapter segment (views of the stacked weights, no copies) and adds the
-result into the base layer's output with one index_add_, whatever kernel computed it (fp32,
-oneDNN-packed or quantised). Rows of the base model are never touched.
+the tokens that run an adapter by slot; on the native kernels each fused layer is then one
+op (`lora_add_`, kernels/csrc/lora.cpp: up to four rows of a slot share each read of its A
+and B, the delta added straight into the base output's rows); on the torch path each fused
+layer gathers those rows once, runs two small GEMMs per adapter segment (views of the stacked
+weights, no copies) and adds the result with one index_add_. Either way the base layer's
+kernel (fp32, oneDNN-packed or GGUF blocks) is untouched, and so are base-model rows.
 """
 from __future__ import annotations
 
@@ -170,14 +172,18 @@ class LoRASlots:
     """`max_loras` adapters' weights, stacked per layer and fused layer:
     A^T [max_loras, in, R * n] and B^T [max_loras, R * n, out], zeros in empty slots."""
 
-    def __init__(self, config: ModelConfig, max_loras: int, max_rank: int):
+    def __init__(self, config: ModelConfig, max_loras: int, max_rank: int, native: bool = False):
+        """`native`: apply the deltas with the native op (torch.ops.pagedserve.lora_add_)."""
         self.shapes = fused_shapes(config)
-        self.max_loras, self.max_rank = max_loras, max_rank
+        self.max_loras, self.max_rank, self.native = max_loras, max_rank, native
         self.a_t = [{name: torch.zeros(max_loras, s.in_features, max_rank * len(s.slices))
                      for name, s in self.shapes.items()} for _ in range(config.num_layers)]
         self.b_t = [{name: torch.zeros(max_loras, max_rank * len(s.slices), s.out_features)
                      for name, s in self.shapes.items()} for _ in range(config.num_layers)]
         self.targets: list[frozenset[str]] = [frozenset()] * max_loras
+        # Per fused layer, the columns of each slot's A^T in use: rank * n where its
+        # adapter targets the layer, else 0 (what the native op reads).
+        self.widths = {name: torch.zeros(max_loras, dtype=torch.int64) for name in self.shapes}
         # Per slot, per layer: the fused layers' views trimmed to the slot's rank.
         self.views: list[list[dict[str, _SlotView]]] = [[] for _ in range(max_loras)]
         # The slot of each loaded adapter, by the adapter's id (Request.lora_id).
@@ -208,6 +214,8 @@ class LoRASlots:
             a_t[:, : adapter.rank, sub] = a.T
             b_t[: adapter.rank, sub, offset : offset + size] = b.T
         self.targets[slot] = adapter.targets
+        for name, shape in self.shapes.items():
+            self.widths[name][slot] = adapter.rank * len(shape.slices) if name in adapter.targets else 0
         self.views[slot] = [
             {name: _SlotView(self.a_t[layer][name][slot][:, : adapter.rank * len(s.slices)],
                              self.b_t[layer][name][slot][: adapter.rank * len(s.slices)])
@@ -221,6 +229,8 @@ class LoRASlots:
                 self.a_t[layer][name][slot].zero_()
                 self.b_t[layer][name][slot].zero_()
         self.targets[slot] = frozenset()
+        for widths in self.widths.values():
+            widths[slot] = 0
         self.views[slot] = []
 
     def batch(self, token_slots: np.ndarray) -> LoRABatch | None:
@@ -233,7 +243,8 @@ class LoRASlots:
         slots, counts = np.unique(token_slots[rows], return_counts=True)
         segments = {name: [(i, self.views[s]) for i, s in enumerate(slots.tolist()) if name in self.targets[s]]
                     for name in FUSED_LAYERS}
-        return LoRABatch(torch.from_numpy(rows), counts.tolist(), segments)
+        native = (torch.from_numpy(token_slots[rows]), self) if self.native else None
+        return LoRABatch(torch.from_numpy(rows), counts.tolist(), segments, native)
 
 
 @dataclass(frozen=True)
@@ -244,11 +255,18 @@ class LoRABatch:
     rows: torch.Tensor
     sizes: list[int]
     segments: dict[str, list[tuple[int, list[dict[str, _SlotView]]]]]
+    # For the native op (None on the torch path): each of `rows`' slot, and the stacks.
+    native: tuple[torch.Tensor, LoRASlots] | None = None
 
     def add(self, layer: int, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y[rows] += B @ A @ x[rows] * scaling for each row's adapter, in place."""
         segments = self.segments[name]
         if not segments:
+            return
+        if self.native is not None:
+            row_slots, slots = self.native
+            torch.ops.pagedserve.lora_add_(y, x.contiguous(), self.rows, row_slots, slots.widths[name],
+                                           slots.a_t[layer][name], slots.b_t[layer][name])
             return
         xs = x.index_select(0, self.rows).split(self.sizes)
         # Groups whose adapter skips this layer add nothing: their rows must be zeros.
