@@ -161,3 +161,19 @@ def test_the_floor_overrides_a_target_the_decodes_leave_no_room_for():
     assert choose_budget(model, target, 2048, 4, 0, floor=20) == 4 + 36
     # With nothing running, the floor does not apply (the TTFT target rules).
     assert choose_budget(model, LatencyTarget(itl_s=0.05, ttft_s=0.02), 2048, 0, 0, floor=500) == 16
+
+
+def test_margin_tracks_the_slow_tenth_of_steps():
+    import random
+
+    rng = random.Random(0)
+    c = StepTimeCorrection()
+    for _ in range(3000):
+        c.observe(0.05, 0.0, 0.05 * math.exp(rng.gauss(0.0, 0.1)))  # p90 of the noise: e^0.128 = 1.14
+    assert 1.08 <= c.margin <= 1.2
+    steady = StepTimeCorrection()
+    for _ in range(500):
+        steady.observe(0.05, 0.05, 0.1)  # predicted exactly: nothing to allow for
+    assert steady.margin == 1.0
+    fast = choose_budget(MODEL, LatencyTarget(itl_s=0.5), 2048, 8, 800)
+    assert choose_budget(MODEL, LatencyTarget(itl_s=0.5), 2048, 8, 800, margin=1.2) < fast
