@@ -206,13 +206,12 @@ class Scheduler:
                 prefill_context = r.num_computed_tokens
         demand = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
         expected = None
-        if self.step_budget.wants_expected_lengths:
-            # Until a request finishes, its peers' prompts and max_tokens stand in for the
-            # lengths the supply floor learns from finished ones.
-            present = [*self.running, *self.waiting]
-            if present:
-                expected = (sum(r.num_prompt_tokens for r in present) / len(present),
-                            sum(r.max_tokens for r in present) / len(present))
+        if self.running and self.step_budget.wants_expected_lengths:
+            # Until a request finishes, the running requests' prompts and max_tokens stand in
+            # for the lengths the supply floor learns from finished ones (the floor applies
+            # only beside running decodes; at most max_num_seqs of them, whatever the queue).
+            expected = (sum(r.num_prompt_tokens for r in self.running) / len(self.running),
+                        sum(r.max_tokens for r in self.running) / len(self.running))
         return self.step_budget.budget(rows, context, prefill_context or 0, demand, expected)
 
     def _wants_prefill_step(self) -> bool:

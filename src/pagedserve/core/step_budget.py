@@ -161,8 +161,8 @@ class PromptSupply:
     (running plus waiting, up to max_num_seqs), not the batch running now, so a batch
     that starts small grows to it. The means are exponential averages over finished
     requests (aborted ones say nothing about lengths); until the first finishes, the
-    caller's expectation stands in (the prompts and max_tokens of the requests in the
-    system), else the fixed budget's share. `margin` above 1 lets a batch that fell
+    caller's expectation stands in (the running requests' prompts and max_tokens), else
+    the fixed budget's share. `margin` above 1 lets a batch that fell
     behind refill; the floor never fills a step past `step_tokens` (the fixed budget a
     target replaces), so where the supply asks for more, the step is the fixed budget's."""
 
@@ -288,8 +288,8 @@ class StepBudget:
     def budget(self, decode_rows: int, decode_context: int, prefill_context: int = 0,
                demand_rows: int | None = None, expected: tuple[float, float] | None = None) -> int:
         """`demand_rows`: the batch the load asks for (default: the decodes running);
-        `expected`: (mean prompt, mean output) of the requests in the system, for the
-        supply floor until one finishes."""
+        `expected`: (mean prompt, mean output) of the running requests, for the supply
+        floor until one finishes."""
         demand = decode_rows if demand_rows is None else demand_rows
         floor = self.supply.floor(decode_rows, demand, expected) if self.supply is not None else 0
         c = self.correction

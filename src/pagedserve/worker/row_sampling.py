@@ -91,7 +91,9 @@ def sample_rows(
         logits = logits.cpu()
     # Before any other processing, so penalties and filters only see allowed tokens.
     constrained = constrain(logits, matchers, drafts_before)
-    # The masked rows before `sample` consumes them, to redraw a token the grammar refuses.
+    # The masked rows before `sample` consumes them (it works in place), to redraw a token
+    # the grammar refuses: one copy of each constrained row a step (~0.2 MB a row here),
+    # against rebuilding the row's logits, which are gone once it is sampled.
     masked = dict(zip(constrained, logits[constrained])) if constrained else {}
     result = sample(logits, meta)
     tokens = result.sampled_token_ids.cpu().numpy()
