@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedserve.attention.cpu_backend import _merge_weights
 from pagedserve.kernels import (
     LIBRARY_PATH,
     REQUIRED_CPU_FLAGS,
@@ -13,6 +14,11 @@ from pagedserve.kernels import (
     native_unavailable_reason,
     resolve_kernels,
 )
+from pagedserve.model.llama import apply_rotary
+
+# Loads the op library for the op tests below; with a broken build they fail (and the
+# first test says why) rather than skip.
+native_unavailable_reason()
 
 
 def test_native_library_is_built_and_selected_here():
@@ -67,3 +73,62 @@ def test_norm_ops_reject_other_dtypes_and_shapes():
         torch.ops.pagedserve.rms_norm(torch.randn(2, 8), torch.randn(9), 1e-5)
     with pytest.raises(RuntimeError, match="residual"):
         torch.ops.pagedserve.add_rms_norm_(torch.randn(2, 8), torch.randn(3, 8), torch.randn(8), 1e-5)
+
+
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 9, 3, 64), (37, 9, 3, 64), (300, 32, 8, 128), (5, 4, 4, 10)])
+def test_rotary_gives_the_torch_paths_bits_in_place_on_qkv_views(tokens, heads, kv_heads, head_dim):
+    """q and k are views into the fused qkv output (strided rows), cos/sin views of one
+    gathered table row, as the decoder layer passes them; head_dim 10 has a scalar tail."""
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    table = torch.randn(tokens, 1, head_dim, generator=g)
+    cos, sin = table[..., : head_dim // 2], table[..., head_dim // 2 :]
+    expected_q, expected_k, untouched_v = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.clone()
+    torch.ops.pagedserve.rotary_(q, k, cos, sin)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    assert torch.equal(v, untouched_v)
+
+
+def test_rotary_rejects_mismatched_shapes():
+    q, k = torch.randn(4, 2, 8), torch.randn(4, 1, 8)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        torch.ops.pagedserve.rotary_(q, k, torch.randn(4, 1, 3), torch.randn(4, 1, 4))
+    with pytest.raises(RuntimeError, match="k must be"):
+        torch.ops.pagedserve.rotary_(q, torch.randn(3, 1, 8), torch.randn(4, 1, 4), torch.randn(4, 1, 4))
+
+
+@pytest.mark.parametrize("query_len,heads,kv_heads,head_dim,context_len",
+                         [(16, 9, 3, 64, 100), (256, 9, 3, 64, 1792), (20, 8, 2, 128, 33), (17, 4, 4, 12, 5)])
+def test_merge_attention_gives_the_torch_paths_bits_and_writes_nothing_else(query_len, heads, kv_heads, head_dim,
+                                                                           context_len):
+    """The two halves as attend_chunk makes them (causal own keys; the context with each KV
+    head's query heads folded) against the torch path's weighted sum, bit for bit, and
+    every other row of the output untouched."""
+    g = torch.Generator().manual_seed(query_len)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    q = torch.randn(1, heads, query_len, head_dim, generator=g)
+    own_kv = torch.randn(2, 1, heads, query_len, head_dim, generator=g)
+    context = torch.randn(2, 1, kv_heads, context_len, head_dim, generator=g)
+    own, own_lse = flash(q, own_kv[0], own_kv[1], 0.0, True, scale=head_dim**-0.5)
+    earlier, earlier_lse = flash(q.reshape(1, kv_heads, -1, head_dim), context[0], context[1], 0.0, False,
+                                 scale=head_dim**-0.5)
+    w, earlier_w = _merge_weights(own_lse, earlier_lse.reshape(own_lse.shape))
+    expected = own * w.unsqueeze(-1) + earlier.reshape(own.shape) * earlier_w.unsqueeze(-1)
+    expected = expected[0].transpose(0, 1).reshape(query_len, heads * head_dim)
+    out = torch.full((query_len + 7, heads * head_dim), float("nan"))
+    torch.ops.pagedserve.merge_attention_(out, 3, own, w, earlier, earlier_w)
+    assert torch.equal(out[3 : 3 + query_len], expected)
+    assert out[:3].isnan().all() and out[3 + query_len :].isnan().all()
+
+
+def test_merge_attention_rejects_rows_outside_the_output():
+    own, weight = torch.randn(1, 2, 4, 8), torch.rand(1, 2, 4)
+    context = torch.randn(1, 1, 8, 8)
+    with pytest.raises(RuntimeError, match="rows start"):
+        torch.ops.pagedserve.merge_attention_(torch.empty(5, 16), 2, own, weight, context, weight)
+    with pytest.raises(RuntimeError, match="fold"):
+        torch.ops.pagedserve.merge_attention_(torch.empty(5, 16), 0, own, weight, context[:, :, :6], weight)
+    with pytest.raises(RuntimeError, match="weights"):
+        torch.ops.pagedserve.merge_attention_(torch.empty(5, 16), 0, own, weight[:, :1], context, weight)

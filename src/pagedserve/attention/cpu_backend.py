@@ -209,12 +209,13 @@ def attend_prefill(
     workspace: torch.Tensor,
     out: torch.Tensor,
     scale: float,
+    native_merge: bool = False,
 ) -> None:
     context = None
     if chunk.context_len:
         kv = _gather(kv_cache, chunk.block_ids, workspace)
         context = kv.view(2, -1, *kv_cache.shape[-2:])[:, : chunk.context_len]
-    attend_chunk(chunk.start, chunk.query_len, q, k, v, context, kv_cache.dtype, out, scale)
+    attend_chunk(chunk.start, chunk.query_len, q, k, v, context, kv_cache.dtype, out, scale, native_merge)
 
 
 def attend_chunk(
@@ -227,9 +228,11 @@ def attend_chunk(
     cache_dtype: torch.dtype,
     out: torch.Tensor,
     scale: float,
+    native_merge: bool = False,
 ) -> None:
     """Rows start:start+query_len of one sequence: causal over their own K/V, merged with
-    the earlier context (wherever it was read from) by log-sum-exp."""
+    the earlier context (wherever it was read from) by log-sum-exp — by the native
+    `merge_attention_` op (one pass, straight into `out`) when `native_merge`."""
     rows = slice(start, start + query_len)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[1]
@@ -253,15 +256,20 @@ def attend_chunk(
             folded, context[0].transpose(0, 1).unsqueeze(0), context[1].transpose(0, 1).unsqueeze(0), 0.0, False,
             scale=scale,
         )
-        attended = _merge(attended, lse, earlier.reshape(attended.shape), earlier_lse.reshape(lse.shape))
+        weight, earlier_weight = _merge_weights(lse, earlier_lse.reshape(lse.shape))
+        if native_merge:
+            torch.ops.pagedserve.merge_attention_(out, start, attended, weight, earlier, earlier_weight)
+            return
+        attended = attended * weight.unsqueeze(-1) + earlier.reshape(attended.shape) * earlier_weight.unsqueeze(-1)
     out[rows] = attended[0].transpose(0, 1).reshape(query_len, num_heads * head_dim)
 
 
-def _merge(a: torch.Tensor, a_lse: torch.Tensor, b: torch.Tensor, b_lse: torch.Tensor) -> torch.Tensor:
-    """Softmax attention over two disjoint key sets, from each set's normalised output
-    and log-sum-exp: weight each by its share of the total probability mass."""
+def _merge_weights(a_lse: torch.Tensor, b_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over two disjoint key sets is each set's normalised output
+    weighted by its share of the total probability mass: those two shares, from each
+    set's log-sum-exp."""
     total = torch.logaddexp(a_lse, b_lse)
-    return a * (a_lse - total).exp_().unsqueeze(-1) + b * (b_lse - total).exp_().unsqueeze(-1)
+    return (a_lse - total).exp_(), (b_lse - total).exp_()
 
 
 def build_plan(meta: AttentionMetadata) -> StepPlan:

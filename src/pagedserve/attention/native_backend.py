@@ -63,5 +63,5 @@ class NativePagedAttention:
         if plan.prefills:
             self._workspace = workspace_for(self._workspace, kv_cache, plan.max_gathered_blocks)
             for chunk in plan.prefills:
-                attend_prefill(chunk, q, k, v, kv_cache, self._workspace, out, scale)
+                attend_prefill(chunk, q, k, v, kv_cache, self._workspace, out, scale, native_merge=True)
         return out

@@ -170,8 +170,11 @@ class DecoderLayer(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        if self.native:
+            torch.ops.pagedserve.rotary_(q, k, cos, sin)  # in place, in qkv: torch's bits in one op
+        else:
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
         attn = backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
         out = self.o(attn)
         if lora is not None:
@@ -188,7 +191,9 @@ class DecoderLayer(nn.Module):
         down = self.down(act)
         if lora is not None:
             lora[0].add(lora[1], "down", act, down)
-        return hidden + down
+        # In place: `hidden` is this forward's own running state (the embedding's output,
+        # or a sum made above), so nothing else reads it.
+        return hidden.add_(down)
 
 
 class LlamaModel(nn.Module):
