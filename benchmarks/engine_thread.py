@@ -1,16 +1,17 @@
-"""Does stepping the engine from a non-main thread cost time? (It does here: see
-docs/benchmarks.md, fifth round.) AsyncEngine steps on its own thread, so a served engine
-pays whatever this measures.
+"""Does stepping the engine from a non-main thread cost time? It did (docs/benchmarks.md,
+fifth round) until AsyncEngine freed the main thread's OpenMP pool before starting its
+thread (engine/openmp_pool.py; sixth round). A served engine pays whatever this measures.
 
-Two parts, each alternating the process's main thread and a fresh thread so that drift
-reaches both alike:
+Two parts, each alternating three arms so that drift reaches them alike: the process's
+main thread, a fresh thread beside the main thread's OpenMP pool ("thread"), and a fresh
+thread after release_thread_pool() on the main thread ("released", what AsyncEngine does):
 
   * ops: per-call time of an op that opens an OpenMP parallel region (the native rms_norm
     over 72 rows), one that runs inline (the same over 1 row) and a 256-row linear layer;
   * workload (--workload): a W4-shaped run through LLMEngine.step() in a loop (96 requests,
     every 8th prompt 2,000 tokens else 64, 64 out, at most 32 in flight), its total time.
 
-    .venv/bin/python benchmarks/engine_thread.py [--pairs 3] [--workload]
+    .venv/bin/python benchmarks/engine_thread.py [--rounds 3] [--workload]
 """
 from __future__ import annotations
 
@@ -25,13 +26,16 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.openmp_pool import release_thread_pool
 from pagedserve.kernels import resolve_kernels
 from pagedserve.model.config import QTYPES
 from pagedserve.model.quant import QuantLinear
 from pagedserve.sampling_params import SamplingParams
 
 
-def on_thread(fn: Callable[[], object]) -> object:
+def on_thread(fn: Callable[[], object], release: bool = False) -> object:
+    if release:
+        release_thread_pool()
     result: list[object] = []
     thread = threading.Thread(target=lambda: result.append(fn()))
     thread.start()
@@ -77,21 +81,23 @@ def workload_seconds(engine: LLMEngine, seed: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workload", action="store_true", help="also time the W4-shaped engine run")
     args = parser.parse_args()
     resolve_kernels("native")
-    for pair in range(args.pairs):
-        main_ops, thread_ops = op_times(), on_thread(op_times)
-        print(f"pair {pair}: " + "; ".join(f"{k} main {main_ops[k]:.1f} thread {thread_ops[k]:.1f}" for k in main_ops))
+    for round_ in range(args.rounds):
+        arms = {"main": op_times(), "thread": on_thread(op_times), "released": on_thread(op_times, release=True)}
+        print(f"round {round_}: " + "; ".join(
+            f"{k} " + " ".join(f"{arm} {ops[k]:.1f}" for arm, ops in arms.items()) for k in arms["main"]))
     if args.workload:
         # Prefix caching off and fresh prompts per run: no run is served from another's cache.
         engine = LLMEngine(EngineConfig(enable_prefix_caching=False))
-        for pair in range(args.pairs):
-            main_s = workload_seconds(engine, 2 * pair)
-            thread_s = on_thread(lambda: workload_seconds(engine, 2 * pair + 1))
-            print(f"W4-shaped run, pair {pair}: main {main_s:.1f} s, thread {thread_s:.1f} s "
-                  f"(thread / main {thread_s / main_s:.2f}x)")
+        for round_ in range(args.rounds):
+            main_s = workload_seconds(engine, 3 * round_)
+            thread_s = on_thread(lambda: workload_seconds(engine, 3 * round_ + 1))
+            released_s = on_thread(lambda: workload_seconds(engine, 3 * round_ + 2), release=True)
+            print(f"W4-shaped run, round {round_}: main {main_s:.1f} s, thread {thread_s:.1f} s "
+                  f"({thread_s / main_s:.2f}x), released {released_s:.1f} s ({released_s / main_s:.2f}x)")
 
 
 if __name__ == "__main__":

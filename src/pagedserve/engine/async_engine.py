@@ -28,6 +28,7 @@ from ..spec_decode.metrics import SpecDecodeStats
 from .dashboard_feed import DashboardFeed
 from .kv_event_feed import KVEventFeed
 from .llm_engine import LLMEngine
+from .openmp_pool import release_thread_pool
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -317,6 +318,9 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        # The model was loaded (and warmed up) on this thread; from here on only the engine
+        # thread computes, and a second OpenMP pool would slow each of its parallel regions.
+        release_thread_pool()
         self._thread.start()
 
     async def close(self, timeout: float = 30.0) -> None:
