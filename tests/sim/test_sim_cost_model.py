@@ -1,4 +1,6 @@
 """The roofline's arithmetic on a toy model small enough to compute by hand."""
+import json
+
 import pytest
 
 from pagedserve.model.config import ModelConfig
@@ -120,6 +122,17 @@ def test_calibration_round_trips_and_rejects_an_old_file(tmp_path):
                     '"memory_bytes": 1, "num_threads": 2}')
     with pytest.raises(ValueError, match="calibrate"):
         Calibration.load(path)
+
+
+def test_calibration_carries_the_step_spread_and_loads_a_file_without_one(tmp_path):
+    cal = Calibration(RATES, 1e9, 0.002, 10**9, 2, "smollm2-135m", step_spread=(0.9, 1.0, 1.1))
+    path = cal.save(tmp_path / "cpu-local.json")
+    assert Calibration.load(path) == cal
+    assert Calibration.load(path).hardware().step_spread == (0.9, 1.0, 1.1)
+    older = json.loads(path.read_text())
+    del older["step_spread"]
+    path.write_text(json.dumps(older))
+    assert Calibration.load(path).hardware().step_spread == ()
 
 
 def test_ladder_rows_must_ascend():

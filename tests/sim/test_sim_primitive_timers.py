@@ -26,3 +26,16 @@ def test_every_linear_layer_call_is_timed_whatever_the_weights(options):
         timers.close()
         for h in handles:
             h.remove()
+
+
+def test_step_spread_times_identical_decodes_and_leaves_the_engine_empty(monkeypatch):
+    from pagedserve.sim import twin
+
+    monkeypatch.setattr(twin, "SPREAD_STEPS", 12)
+    monkeypatch.setattr(twin, "SPREAD_DECODE_ROWS", 4)
+    engine = LLM(kv_cache_memory=1 << 26, kernels="native").engine
+    spread = twin.measure_step_spread(engine)
+    assert len(spread) == 12 and list(spread) == sorted(spread) and all(f > 0 for f in spread)
+    assert sum(spread) / len(spread) == pytest.approx(1.0)
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.kv_cache.pool.num_used == 0

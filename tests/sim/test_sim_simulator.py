@@ -90,3 +90,22 @@ def test_contiguous_layout_admits_by_pages_and_gives_them_back():
     kv = res.scheduler.kv_cache
     assert kv.committed_pages == 0 and 0 < kv.peak_committed_pages <= layout.budget_pages
     assert res.summary()["kv_waste"] < paged.summary()["kv_waste"]
+
+
+def test_a_measured_step_spread_lengthens_the_tail_not_the_run():
+    from dataclasses import replace
+
+    config = SimConfig(policy="chunked", num_blocks=4000, max_num_seqs=32, concurrency=16, seed=5)
+    plain = simulate(WORKLOAD, COST, config)
+    # Nine steps in ten at 0.9x their price, one in ten at 1.9x: a mean of 1.
+    spread = (0.9,) * 9 + (1.9,)
+    noisy_cost = CostModel(MODELS["llama-3.1-8b"], replace(get_hardware("h100-sxm5"), step_spread=spread), "bf16")
+    noisy = simulate(WORKLOAD, noisy_cost, config)
+    assert simulate(WORKLOAD, noisy_cost, config).summary() == noisy.summary()  # seeded
+    factors = {round(n.duration / p.duration, 9) for n, p in zip(noisy.steps, plain.steps)}
+    assert factors <= {0.9, 1.9} and len(factors) == 2
+    assert noisy.summary()["p99_itl_ms"] > 1.5 * plain.summary()["p99_itl_ms"]
+    assert noisy.duration == pytest.approx(plain.duration, rel=0.15)
+    # A flat spread is no spread.
+    flat = CostModel(MODELS["llama-3.1-8b"], replace(get_hardware("h100-sxm5"), step_spread=(1.0,)), "bf16")
+    assert simulate(WORKLOAD, flat, config).summary() == plain.summary()

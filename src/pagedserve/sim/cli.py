@@ -207,6 +207,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
           f"{r.attention_flops / 1e9:.1f} GFLOP/s")
     print(f"step overhead outside those: {cal.step_overhead_s * 1e3:.2f} ms + {r.overhead_per_token_s * 1e6:.1f} us "
           f"per token (from " + ", ".join(f"{t} tok: {s * 1e3:.1f} ms" for t, s in points) + ")")
+    spread = cal.step_spread
+    q = lambda p: spread[min(len(spread) - 1, int(p * len(spread)))]  # noqa: E731
+    print(f"step spread ({len(spread)} identical decode steps, time / mean): p50 {q(0.5):.2f}, p90 {q(0.9):.2f}, "
+          f"p99 {q(0.99):.2f}, max {spread[-1]:.2f}")
     print(f"-> {path}")
     return 0
 

@@ -90,6 +90,9 @@ class Hardware:
     compute_efficiency: float = COMPUTE_EFFICIENCY
     bandwidth_efficiency: float = BANDWIDTH_EFFICIENCY
     measured: MeasuredRates | None = None  # cpu-local only: replaces the roofline
+    # Measured step time / the mean of its run, one entry per timed step (cpu-local only):
+    # the simulator draws each step's factor from it. Empty: every step takes its price.
+    step_spread: tuple[float, ...] = ()
 
     def flops_for(self, dtype: str) -> float:
         """Achievable FLOP/s for matmuls whose inputs are `dtype`."""
@@ -132,12 +135,15 @@ class Calibration:
     # The StepTimeModel a latency target budgets with, fitted from these rates, tagged
     # with the model shape it holds for (engine/step_timing.py reads it back).
     step_time_model: dict | None = None
+    # Identical decode steps timed back to back, each over their mean (Hardware.step_spread).
+    step_spread: tuple[float, ...] = ()
 
     def hardware(self) -> Hardware:
         return Hardware(CPU_LOCAL, self.memory_bytes, self.rates.kv_bandwidth,
                         {"bf16": self.matmul_flops, "fp8": self.matmul_flops, "fp32": self.matmul_flops},
                         link_bandwidth=self.rates.kv_bandwidth, step_overhead_s=self.step_overhead_s,
-                        compute_efficiency=1.0, bandwidth_efficiency=1.0, measured=self.rates)
+                        compute_efficiency=1.0, bandwidth_efficiency=1.0, measured=self.rates,
+                        step_spread=tuple(self.step_spread))
 
     def save(self, path: Path | None = None) -> Path:
         path = path or calibration_path()
@@ -155,7 +161,8 @@ class Calibration:
             rates = data.pop("rates")
             rates = MeasuredRates(**{k: tuple(map(tuple, v)) if k in ("linear", "head") else v
                                      for k, v in rates.items()})
-            return cls(rates=rates, **data)
+            spread = tuple(data.pop("step_spread", ()))
+            return cls(rates=rates, step_spread=spread, **data)
         except (KeyError, TypeError) as e:
             raise ValueError(f"{path} is from an older `pagedserve sim calibrate` ({e}); run it again") from e
 

@@ -143,6 +143,10 @@ def simulate(requests: Sequence[BenchRequest], cost: CostModel, config: SimConfi
     steps: list[StepRecord] = []
     t = 0.0
     nxt = 0
+    # A measured machine's steps vary (Hardware.step_spread): each takes its price times a
+    # factor drawn from the measured ones, from its own stream so arrivals stay the same.
+    spread = cost.hardware.step_spread
+    spread_rng = random.Random(f"{config.seed}:step-spread")
     while True:
         while nxt < len(order) and slots and max(arrivals[order[nxt]], slots[0]) <= t:
             i = order[nxt]
@@ -169,6 +173,8 @@ def simulate(requests: Sequence[BenchRequest], cost: CostModel, config: SimConfi
             else:
                 prefill += r.num_new_tokens
         seconds = cost.step_seconds(out)
+        if spread:
+            seconds *= spread[spread_rng.randrange(len(spread))]
         if sched.step_budget is not None:
             sched.step_budget.observe([(r.num_new_tokens, r.start) for r in out.scheduled],
                                       sum(r.num_samples for r in out.scheduled), seconds)

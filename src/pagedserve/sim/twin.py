@@ -25,6 +25,10 @@ ATTENTION_PROBES = {"call": [(1, 15)], "kv": [(1, 255)] * 32, "flops": [(256, 0)
 # primitives gives the step overhead and its per-token part.
 OVERHEAD_DECODE_BATCHES = (1, 8, 32)
 OVERHEAD_PREFILL_LEN = 256
+# The same decode step (this many rows) timed this many times in a row: how much a
+# step's time varies on this machine, which the simulator's tails need (step_spread).
+SPREAD_DECODE_ROWS = 16
+SPREAD_STEPS = 200
 
 
 def best_seconds(fn, repeats: int) -> float:
@@ -230,6 +234,29 @@ def measure_step_overhead(engine, head: Ladder) -> tuple[float, float, list[tupl
     return max(fixed, 0.0), max(per_token, 0.0), decode_points + prefill_points
 
 
+def measure_step_spread(engine) -> tuple[float, ...]:
+    """Each of SPREAD_STEPS decode steps of SPREAD_DECODE_ROWS sequences over its run's
+    mean, sorted. The steps differ only by one token of context each (64 -> 264), so what
+    varies is the machine: a shared VM's steps measured p90 1.08x and p99 1.6x their
+    median here, which a simulator pricing every step alike leaves out of its p99s."""
+    from ..sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=SPREAD_STEPS + 2, ignore_eos=True, temperature=0)
+    for i in range(SPREAD_DECODE_ROWS):
+        engine.add_request([(i * 7919 + t * 13) % 40_000 + 100 for t in range(64)], params)
+    while engine.scheduler.has_pending_prefills():
+        engine.step()
+    times = []
+    for _ in range(SPREAD_STEPS):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    mean = statistics.fmean(times)
+    return tuple(sorted(t / mean for t in times))
+
+
 def calibrate() -> tuple[Calibration, object, list[tuple[int, float]]]:
     """Measure the CPU engine's primitives at the twin model's shapes and save them."""
     import torch
@@ -247,10 +274,12 @@ def calibrate() -> tuple[Calibration, object, list[tuple[int, float]]]:
     linear, head = measure_linear_ladders(model)
     call, kv_bandwidth, attn_flops = measure_attention(model, engine.runner.kv_caches, engine.scheduler.block_size)
     overhead, per_token, points = measure_step_overhead(engine, head)
+    spread = measure_step_spread(engine)
     with open("/proc/meminfo") as f:
         total = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
     rates = MeasuredRates(linear, head, attn_flops, kv_bandwidth, call, per_token, PREFILL_MIN_QUERY_LEN)
-    cal = Calibration(rates, measure_matmul_flops(2048, 2048, 2048), overhead, total, threads, TWIN_MODEL)
+    cal = Calibration(rates, measure_matmul_flops(2048, 2048, 2048), overhead, total, threads, TWIN_MODEL,
+                      step_spread=spread)
     # The engine's latency target budgets with this fit when it serves the same shapes.
     fitted = CostModel(engine.loaded.config, cal.hardware(), "fp32").step_time_model(MIN_WHOLE_PROMPT_BUDGET)
     cal = replace(cal, step_time_model=calibration_entry(fitted, engine.loaded.config))
