@@ -13,7 +13,6 @@ before the engine thread starts brings the count back to what the CPUs hold.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 
 logger = logging.getLogger(__name__)
@@ -21,9 +20,15 @@ logger = logging.getLogger(__name__)
 _OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: threads stop, the runtime stays initialised
 
 
-@functools.cache
+_found: ctypes.CDLL | None = None
+
+
 def _libgomp() -> ctypes.CDLL | None:
-    """The libgomp this process has loaded (torch's own copy), or None."""
+    """The libgomp this process has loaded (torch's own copy), or None. Only a find is
+    remembered: asked before torch is imported, a later call still looks again."""
+    global _found
+    if _found is not None:
+        return _found
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "/libgomp" in line}
@@ -35,6 +40,7 @@ def _libgomp() -> ctypes.CDLL | None:
         except OSError:
             continue
         if hasattr(lib, "omp_pause_resource_all"):
+            _found = lib
             return lib
     return None
 
