@@ -11,6 +11,7 @@ from pagedserve.kernels import (
     LIBRARY_PATH,
     REQUIRED_CPU_FLAGS,
     cpu_flags,
+    native_isa,
     native_unavailable_reason,
     resolve_kernels,
 )
@@ -30,6 +31,19 @@ def test_native_library_is_built_and_selected_here():
     assert resolve_kernels("auto") == "native"
     assert resolve_kernels(None) == "native"
     assert resolve_kernels("torch") == "torch"
+
+
+def test_the_wider_paths_follow_the_cpu(monkeypatch):
+    """The AVX-512 and VNNI paths run wherever the CPU has them (a dispatch that never takes
+    them would pass every bit-equality test between paths), and PAGEDSERVE_NATIVE_ISA=avx2
+    holds every op to AVX2."""
+    flags = cpu_flags()
+    monkeypatch.delenv("PAGEDSERVE_NATIVE_ISA", raising=False)
+    expected = ("avx512_vnni" if {"avx512f", "avx512bw", "avx512_vnni"} <= flags
+                else "avx512" if "avx512f" in flags else "avx2")
+    assert native_isa() == expected
+    monkeypatch.setenv("PAGEDSERVE_NATIVE_ISA", "avx2")
+    assert native_isa() == "avx2"
 
 
 def test_unknown_kernel_choice_names_the_parameter():

@@ -118,6 +118,32 @@ def test_op_is_row_independent_and_keeps_leading_dims() -> None:
     assert layer(torch.empty(0, 128)).shape == (0, 96)
 
 
+@pytest.mark.parametrize("name", list(QTYPES))
+def test_a_rows_bits_do_not_depend_on_batch_threads_or_instruction_set(name, monkeypatch) -> None:
+    """VNNI (four whole tiles at a time, 6-row tiles) and AVX2 (one tile, 4-row tiles) sum
+    the same exact integer dots and scale them with the same fp32 steps: the same bits for
+    every row, whatever batch, thread count or path computes it. The shape has three whole
+    4-tile groups, then a partial group whose last tile is partial (the AVX2 path's part)."""
+    qtype = QTYPES[name]
+    n, k = 8 * 4 * 3 + 13, 320
+    layer = QuantLinear(quantize_blocks(weights(n, k, seed=11), qtype), qtype, torch.randn(n))
+    x = torch.randn(300, k) * torch.rand(300, 1) * 3
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for path in ("auto", "avx2"):
+                monkeypatch.setenv("PAGEDSERVE_NATIVE_ISA", path)
+                for rows in (300, 64, 17, 7, 6, 5, 4, 3, 1):
+                    results.append(layer(x[:rows]))
+    finally:
+        torch.set_num_threads(before)
+    full = results[0]
+    for y in results:
+        assert torch.equal(y, full[: y.shape[0]])
+
+
 def test_op_rejects_mismatched_arguments() -> None:
     layer = QuantLinear.from_float(weights(16, 64), QTYPES["q8_0"])
     with pytest.raises(RuntimeError, match="input features"):

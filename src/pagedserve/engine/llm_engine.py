@@ -24,7 +24,7 @@ from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler
 from ..core.step_budget import PromptSupply, StepBudget
 from ..distributed.executor import TensorParallelExecutor
-from ..kernels import resolve_kernels
+from ..kernels import native_isa, resolve_kernels
 from ..kv_transfer.base import KVConnectorWorker
 from ..kv_transfer.factory import make_kv_connector_worker
 from ..model.config import ModelConfig
@@ -221,7 +221,8 @@ class LLMEngine:
             "max_model_len %d; token budget %d per step; %s kernels; %s KV",
             self.loaded.name, time.perf_counter() - start, plan.num_blocks * plan.bytes_per_block / 2**30,
             plan.num_blocks, config.block_size, plan.num_blocks * config.block_size, self.max_model_len,
-            self.scheduler.config.max_num_batched_tokens, self.kernels, self.runner.kv_caches[0].dtype,
+            self.scheduler.config.max_num_batched_tokens,
+            f"native ({native_isa()})" if self.kernels == "native" else self.kernels, self.runner.kv_caches[0].dtype,
         )
 
     def shutdown(self) -> None:

@@ -47,6 +47,18 @@ def native_unavailable_reason() -> str | None:
     return None
 
 
+def native_isa() -> str:
+    """The widest instruction set the native kernels use here: avx512_vnni (the int8 linear
+    layers), avx512 (the fp32 ones) or avx2; PAGEDSERVE_NATIVE_ISA=avx2 holds them to AVX2.
+    Every path gives the AVX2 path's bits."""
+    reason = native_unavailable_reason()
+    if reason is not None:
+        raise ValueError(f"the native library cannot run: {reason}")
+    import torch
+
+    return torch.ops.pagedserve.native_isa()
+
+
 def resolve_kernels(choice: str | None) -> str:
     """"native" or "torch" for a `--kernels` value: auto takes native where it can run;
     asking for native where it cannot is an error that says why."""

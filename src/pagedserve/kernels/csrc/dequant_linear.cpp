@@ -17,9 +17,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cstdlib>
 #include <cstring>
 
+#include "isa.h"
 #include "quant_linear.h"
 #include "vec.h"
 
@@ -485,14 +485,6 @@ void run_in_registers(int64_t tile0, int64_t ntiles, int64_t m, const uint8_t* t
     }
     g += nt;
   }
-}
-
-// AVX-512 where the CPU has it, unless PAGEDSERVE_NATIVE_ISA=avx2 (read per call, so tests
-// can run both paths in one process and compare their bits).
-bool use_avx512() {
-  static const bool has = __builtin_cpu_supports("avx512f");
-  const char* isa = std::getenv("PAGEDSERVE_NATIVE_ISA");
-  return has && !(isa != nullptr && std::strcmp(isa, "avx2") == 0);
 }
 
 at::Tensor dequant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t out_features,
