@@ -203,7 +203,9 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size).requires_grad_(False)
+        # from_pretrained skips nn.Embedding's random init, whose first call on the meta
+        # device imports torch's decompositions: ~2 s of every process's first model load.
+        self.embed = nn.Embedding.from_pretrained(torch.empty(config.vocab_size, config.hidden_size), freeze=True)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # A tied head is made from the embedding matrix once the weights are loaded.
