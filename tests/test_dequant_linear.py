@@ -17,6 +17,7 @@ import os
 import pytest
 import torch
 
+from kernel_paths import outputs_on_every_path
 from pagedserve.kernels import resolve_kernels
 from pagedserve.model.quant import QTYPES, QuantLinear, dequantize_blocks, quantize_blocks
 
@@ -70,26 +71,14 @@ def test_op_is_the_sequential_fp32_product_of_the_dequantised_weights(name, n, k
 
 
 @pytest.mark.parametrize("name", BLOCK_TYPES)
-def test_a_rows_bits_do_not_depend_on_batch_threads_or_instruction_set(name, isa) -> None:
+def test_a_rows_bits_do_not_depend_on_batch_threads_or_instruction_set(name) -> None:
     qtype = QTYPES[name]
     n, k = 8 * 4 * 3 + 5, 320  # three whole 4-tile groups, then a partial tile
     blocks = quantize_blocks(weights(n, k, seed=7), qtype)
     layer = QuantLinear(blocks, qtype, torch.randn(n), activations="fp32")
-    x = torch.randn(300, k)
-    before = torch.get_num_threads()
-    results = []
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            for path in ("auto", "avx2"):
-                os.environ["PAGEDSERVE_NATIVE_ISA"] = path
-                for rows in (300, 64, 17, 6, 5, 4, 3, 1):
-                    results.append(layer(x[:rows]))
-    finally:
-        torch.set_num_threads(before)
-    full = results[0]
+    results = outputs_on_every_path(layer, torch.randn(300, k), (300, 64, 17, 6, 5, 4, 3, 1))
     for y in results:
-        assert torch.equal(y, full[: y.shape[0]])
+        assert torch.equal(y, results[0][: y.shape[0]])
 
 
 def test_layer_keeps_leading_dims_and_matches_the_dense_fp32_layer() -> None:

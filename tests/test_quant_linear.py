@@ -20,6 +20,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from kernel_paths import outputs_on_every_path
 from pagedserve.kernels import resolve_kernels
 from pagedserve.model.quant import (
     BLOCK,
@@ -119,7 +120,7 @@ def test_op_is_row_independent_and_keeps_leading_dims() -> None:
 
 
 @pytest.mark.parametrize("name", list(QTYPES))
-def test_a_rows_bits_do_not_depend_on_batch_threads_or_instruction_set(name, monkeypatch) -> None:
+def test_a_rows_bits_do_not_depend_on_batch_threads_or_instruction_set(name) -> None:
     """VNNI (four whole tiles at a time, 6-row tiles) and AVX2 (one tile, 4-row tiles) sum
     the same exact integer dots and scale them with the same fp32 steps: the same bits for
     every row, whatever batch, thread count or path computes it. The shape has three whole
@@ -128,20 +129,9 @@ def test_a_rows_bits_do_not_depend_on_batch_threads_or_instruction_set(name, mon
     n, k = 8 * 4 * 3 + 13, 320
     layer = QuantLinear(quantize_blocks(weights(n, k, seed=11), qtype), qtype, torch.randn(n))
     x = torch.randn(300, k) * torch.rand(300, 1) * 3
-    before = torch.get_num_threads()
-    results = []
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            for path in ("auto", "avx2"):
-                monkeypatch.setenv("PAGEDSERVE_NATIVE_ISA", path)
-                for rows in (300, 64, 17, 7, 6, 5, 4, 3, 1):
-                    results.append(layer(x[:rows]))
-    finally:
-        torch.set_num_threads(before)
-    full = results[0]
+    results = outputs_on_every_path(layer, x, (300, 64, 17, 7, 6, 5, 4, 3, 1))
     for y in results:
-        assert torch.equal(y, full[: y.shape[0]])
+        assert torch.equal(y, results[0][: y.shape[0]])
 
 
 def test_op_rejects_mismatched_arguments() -> None:

@@ -27,6 +27,7 @@
 #include <cstring>
 
 #include "isa.h"
+#include "tiles512.h"
 #include "vec.h"
 
 namespace pagedserve::quant {
@@ -222,16 +223,6 @@ constexpr int64_t kRowTileVnni = 6;  // 2 x 6 int32 + 2 x 6 fp32 accumulators + 
 // AVX2 path's time (a hint, so reading past the matrix's end is harmless).
 constexpr int64_t kPrefetch = 8;
 
-__attribute__((target("avx512f,avx512bw"))) inline __m512i pair512(const uint8_t* a, const uint8_t* b) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
-}
-
-__attribute__((target("avx512f"))) inline __m512 halves512(const uint8_t* a, const uint8_t* b) {
-  return _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)),
-                                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(a))));
-}
-
 template <int MR, bool kQ8>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void quad_dot_vnni(
     const uint8_t* tiles, int64_t stride, int64_t nb, const int8_t* qa, int64_t k, const float* da, const float* sa,
@@ -307,13 +298,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void quad_dot_vnni(
   }
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
-    __m512 y0 = acc[r][0], y1 = acc[r][1];
-    if (bias != nullptr) {
-      y0 = _mm512_add_ps(y0, _mm512_loadu_ps(bias));
-      y1 = _mm512_add_ps(y1, _mm512_loadu_ps(bias + 16));
-    }
-    _mm512_storeu_ps(out + r * ldo, y0);
-    _mm512_storeu_ps(out + r * ldo + 16, y1);
+    store_row512(out + r * ldo, acc[r][0], acc[r][1], bias);
   }
 }
 
