@@ -7,13 +7,15 @@ import random
 import pytest
 import torch
 
-from pagedserve.attention.backend import ReferenceBackend, write_kv
+from pagedserve.attention.backend import ReferenceBackend, to_cache_dtype, write_kv
 from pagedserve.attention.cpu_backend import PREFILL_MIN_QUERY_LEN, CpuPagedAttention
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.native_backend import NativePagedAttention
 from pagedserve.attention.selector import default_backend_name, get_backend
 from pagedserve.attention.testing import random_step
 from pagedserve.kernels import native_unavailable_reason
+
+from kernel_paths import outputs_on_every_path
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -123,6 +125,24 @@ def test_a_rows_output_does_not_depend_on_the_batch_threads_or_chunking():
         for with_others in (False, True):
             for threads in (1, 2, 5):
                 assert torch.equal(last_row(query_len, with_others, threads), expected), (query_len, with_others, threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["fp32", "fp16", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (16, 2, 72)],
+                         ids=["gqa1", "gqa3", "gqa4-d128", "gqa8-d72"])
+def test_every_instruction_set_path_gives_the_same_bits(dtype, num_heads, num_kv_heads, head_dim):
+    # The AVX-512 path takes three query rows of a KV head through each K/V vector (and
+    # widens a narrow cache in registers when those are all the head's rows); the AVX2
+    # path takes one. Decodes, short causal queries whose rows see different keys, and a
+    # split sequence, on 1 and 2 threads.
+    seqs = [(1, n) for n in (1, 7, 16, 17, 300)] + [(2, 9), (4, 17), (5, 40), (1, 1000)]
+    q, k, v, cache, meta = random_step(seqs, num_heads, num_kv_heads, head_dim, 16, seed=5)
+    write_kv(k, v, cache, meta.slot_mapping)
+    cache = to_cache_dtype(cache, dtype)
+    outputs = outputs_on_every_path(lambda rows: native_op(q, cache, meta, head_dim**-0.5), q, [q.shape[0]])
+    for out in outputs[1:]:
+        assert torch.equal(out, outputs[0])
 
 
 def test_only_the_chosen_sequences_are_written():

@@ -15,9 +15,15 @@
 // sum) the last one to finish merges, in partition order: one long sequence uses every
 // core, and since partitions sit at fixed positions, a row's arithmetic depends only
 // on its own sequence, never on what else is in the batch or how its prompt was chunked.
-// A cache of fp16 or fp8 elements (`--kv-cache-dtype`) is read in its own width: each
-// KV head's rows of a block are converted to fp32 once, into a buffer that stays in L1
-// while every query row of that head uses them.
+// Where the CPU has AVX-512VL, a KV head's query rows go three at a time through each
+// K and V vector (its 32 ymm registers hold three rows' accumulators), the same per-lane
+// arithmetic as one at a time, so both paths give the same bits.
+// A cache of fp16 or fp8 elements (`--kv-cache-dtype`) is read in its own width: widened
+// in registers when one group of rows is all a KV head has (a decode with GQA <= 3 on
+// AVX-512), otherwise converted to fp32 once per block and head, into a buffer that stays
+// in L1 while every query row of that head uses it. Fused so, an fp16 cache took
+// 0.58-0.64x the time of fp32 at 64 decodes x 320 context (30 layers' caches, 2
+// threads), where the buffer had left it at 0.76-0.84x.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -29,6 +35,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "isa.h"
 #include "kv_types.h"
 #include "vec.h"
 
@@ -89,74 +96,94 @@ struct SplitGroup {
   int64_t seq, first_partial, num_parts, rows;
 };
 
-// Scores of one query row (already scaled) against keys [0, count) of a block.
-template <int NV>
-inline void row_scores(const float* qrow, const float* keys, int64_t token_stride, int64_t count,
-                       int64_t block_size, int64_t nv_runtime, float* scores) {
-  const int64_t nv = NV ? NV : nv_runtime;
-  int64_t t = 0;
-  if constexpr (NV != 0) {
-    __m256 qv[NV];
-    for (int v = 0; v < NV; ++v) qv[v] = _mm256_loadu_ps(qrow + 8 * v);
-    // Whole tiles of 8 keys may read past `count` (never past the block); those lanes are ignored.
-    for (; t < count && t + 8 <= block_size; t += 8) {
-      __m256 acc[8];
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-      for (int v = 0; v < NV; ++v)
-        for (int j = 0; j < 8; ++j)
-          acc[j] = _mm256_fmadd_ps(qv[v], _mm256_loadu_ps(keys + (t + j) * token_stride + 8 * v), acc[j]);
-      _mm256_storeu_ps(scores + t, transpose_sum(acc));
-    }
-  } else {
-    for (; t < count && t + 8 <= block_size; t += 8) {
-      __m256 acc[8];
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-      for (int64_t v = 0; v < nv; ++v) {
-        const __m256 qv = _mm256_loadu_ps(qrow + 8 * v);
-        for (int j = 0; j < 8; ++j)
-          acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + (t + j) * token_stride + 8 * v), acc[j]);
-      }
-      _mm256_storeu_ps(scores + t, transpose_sum(acc));
-    }
-  }
-  for (; t < count; ++t) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t v = 0; v < nv; ++v)
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(qrow + 8 * v), _mm256_loadu_ps(keys + t * token_stride + 8 * v), acc);
-    scores[t] = hsum(acc);
-  }
+// Eight elements of a cache row as fp32 (the stored values, whatever the load's own scale).
+template <typename S>
+[[gnu::always_inline]] inline __m256 load_fp32(const S* src) {
+  __m256 x = KVType<S>::load8(src);
+  if constexpr (KVType<S>::kLoadFactor != 1.0f) x = _mm256_mul_ps(x, _mm256_set1_ps(1.0f / KVType<S>::kLoadFactor));
+  return x;
 }
 
-// acc += sum_t p[t] * values[t], for t < count.
-template <int NV>
-inline void row_values(float* acc, const float* p, const float* values, int64_t token_stride, int64_t count,
-                       int64_t nv_runtime) {
-  if constexpr (NV != 0) {
-    __m256 a[NV];
-    for (int v = 0; v < NV; ++v) a[v] = _mm256_loadu_ps(acc + 8 * v);
+// Scores (already scaled) of R query rows of one KV head against a block's keys, each row
+// up to its own count: whole 8-key tiles up to the longest count (never past the block;
+// lanes past a row's count are overwritten by its caller), then single keys. Each K
+// vector is loaded (and widened, for a narrow cache) once for all R rows; per lane the
+// arithmetic is the same for every R, so the R=3 path built for 32 ymm registers
+// (AVX-512VL) gives the R=1 path's bits.
+template <int NV, int R, typename S>
+[[gnu::always_inline]] inline void group_scores(const float* q, int64_t d, const S* keys, int64_t token_stride,
+                                                const int64_t* count, int64_t block_size, float* const* scores) {
+  const int64_t nv = NV ? NV : d / 8;
+  int64_t longest = 0;
+  for (int r = 0; r < R; ++r) longest = std::max(longest, count[r]);
+  int64_t t = 0;
+  for (; t < longest && t + 8 <= block_size; t += 8) {
+    __m256 acc[R][8];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 8; ++j) acc[r][j] = _mm256_setzero_ps();
+    if constexpr (R == 1 && NV != 0) {
+      // One row: its query in registers, the keys as memory operands.
+      __m256 qv[NV];
+      for (int v = 0; v < NV; ++v) qv[v] = _mm256_loadu_ps(q + 8 * v);
+      for (int v = 0; v < NV; ++v)
+        for (int j = 0; j < 8; ++j)
+          acc[0][j] = _mm256_fmadd_ps(qv[v], load_fp32<S>(keys + (t + j) * token_stride + 8 * v), acc[0][j]);
+    } else {
+      for (int64_t v = 0; v < nv; ++v)
+        for (int j = 0; j < 8; ++j) {
+          const __m256 k = load_fp32<S>(keys + (t + j) * token_stride + 8 * v);
+          for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * d + 8 * v), k, acc[r][j]);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(scores[r] + t, transpose_sum(acc[r]));
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t k = t; k < count[r]; ++k) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t v = 0; v < nv; ++v)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * d + 8 * v), load_fp32<S>(keys + k * token_stride + 8 * v), acc);
+      scores[r][k] = hsum(acc);
+    }
+}
+
+// acc_r += sum_t p_r[t] * values[t] for R rows and t < count: each V vector is loaded
+// (and widened) once for all R rows. Keys past a row's own count have p = 0 exactly
+// (their scores were -inf), so adding them leaves its sums as they were.
+template <int NV, int R, typename S>
+[[gnu::always_inline]] inline void group_values(float* const* acc, const float* const* p, const S* values,
+                                                int64_t token_stride, int64_t count, int64_t d) {
+  // Eight vectors (64 values) of every row at a time: 24 accumulators at R=3.
+  constexpr int kChunk = NV == 0 ? 1 : std::min(NV, 8);
+  for (int64_t c = 0; c < d; c += 8 * kChunk) {
+    __m256 a[R][kChunk];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kChunk; ++v) a[r][v] = _mm256_loadu_ps(acc[r] + c + 8 * v);
     for (int64_t t = 0; t < count; ++t) {
-      const __m256 pt = _mm256_set1_ps(p[t]);
-      const float* row = values + t * token_stride;
-      for (int v = 0; v < NV; ++v) a[v] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(row + 8 * v), a[v]);
+      __m256 pt[R];
+      for (int r = 0; r < R; ++r) pt[r] = _mm256_set1_ps(p[r][t]);
+      const S* row = values + t * token_stride + c;
+      for (int v = 0; v < kChunk; ++v) {
+        const __m256 x = load_fp32<S>(row + 8 * v);
+        for (int r = 0; r < R; ++r) a[r][v] = _mm256_fmadd_ps(pt[r], x, a[r][v]);
+      }
     }
-    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc + 8 * v, a[v]);
-  } else {
-    for (int64_t v = 0; v < nv_runtime; ++v) {
-      __m256 a = _mm256_loadu_ps(acc + 8 * v);
-      for (int64_t t = 0; t < count; ++t)
-        a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(values + t * token_stride + 8 * v), a);
-      _mm256_storeu_ps(acc + 8 * v, a);
-    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kChunk; ++v) _mm256_storeu_ps(acc[r] + c + 8 * v, a[r][v]);
   }
 }
 
 // Blocks sit at random places in the pool, so the hardware prefetcher cannot see the
-// next one coming: fetch its first `count` token rows (every KV head) ahead of use.
+// next one coming: fetch KV head kv's first `count` token rows of a block ahead of use.
+// One head at a time, just before that head's work, spreads the fetches between the
+// dot products; a whole block's worth in one burst stalled on the fill buffers (in the
+// measurement above, alternated: fp16 1.26-1.54 -> 1.11-1.13 ms per layer, fp32
+// 1.88-2.22 -> 1.63-1.90).
 template <int Hint>
-inline void prefetch_block(const Problem& p, const void* plane, int64_t block, int64_t count) {
-  const int64_t bytes = count * p.token_stride * p.element_bytes;
-  const char* base = static_cast<const char*>(plane) + block * p.block_stride * p.element_bytes;
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(base + b, static_cast<_mm_hint>(Hint));
+inline void prefetch_head(const Problem& p, const void* plane, int64_t block, int64_t kv, int64_t count) {
+  const int64_t row_bytes = p.head_dim * p.element_bytes, stride = p.token_stride * p.element_bytes;
+  const char* base = static_cast<const char*>(plane) + (block * p.block_stride + kv * p.head_dim) * p.element_bytes;
+  for (int64_t t = 0; t < count; ++t)
+    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(base + t * stride + b, static_cast<_mm_hint>(Hint));
 }
 
 // The query row r of a sequence with query_len qlen: rows are ordered (KV head, query
@@ -172,13 +199,17 @@ inline RowIndex row_index(int64_t r, int64_t qlen, int64_t g) {
 // count rows of head_dim values (stride token_stride) as fp32, packed at dst (stride d).
 template <typename T>
 void convert_rows(const T* src, int64_t token_stride, int64_t count, int64_t d, float* dst) {
-  const __m256 factor = _mm256_set1_ps(1.0f / KVType<T>::kLoadFactor);
   for (int64_t t = 0; t < count; ++t)
-    for (int64_t i = 0; i < d; i += 8) {
-      __m256 x = KVType<T>::load8(src + t * token_stride + i);
-      if constexpr (KVType<T>::kLoadFactor != 1.0f) x = _mm256_mul_ps(x, factor);
-      _mm256_storeu_ps(dst + t * d + i, x);
-    }
+    for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + t * d + i, load_fp32(src + t * token_stride + i));
+}
+
+// f(std::integral_constant<int, m>) for a runtime m in [1, M].
+template <int M, typename F>
+[[gnu::always_inline]] inline void with_rows(int64_t m, F&& f) {
+  if constexpr (M > 1) {
+    if (m < M) return with_rows<M - 1>(m, f);
+  }
+  f(std::integral_constant<int, M>{});
 }
 
 // Softmax attention of one sequence over keys [key_begin, key_end) (one partition),
@@ -186,12 +217,15 @@ void convert_rows(const T* src, int64_t token_stride, int64_t count, int64_t d, 
 // sum per row. A first pass over the partition's blocks writes every row's scores, one
 // max/exp per row follows, then a second pass accumulates V. Each pass walks the
 // blocks in order, so each block's K (then V) rows are read from memory once for all
-// the query rows of the sequence. kvbuf holds one block's K or V rows of one KV head
-// as fp32 when T is narrower; scores holds rows x (partition_keys + 8) floats.
-template <int NV, typename T>
-void attend(const Problem& p, int64_t seq, int64_t key_begin, int64_t key_end, float* acc, float* row_max,
-            float* row_sum, float* qbuf, float* kvbuf, float* scores) {
-  const int64_t d = p.head_dim, nv = d / 8, g = p.group, bs = p.block_size;
+// the query rows of the sequence, and from L1 once per group of RB rows of a KV head.
+// A narrow cache is widened as it is read when one group holds all of a KV head's rows
+// (a decode at RB >= the GQA ratio); otherwise each block's rows of a head are widened
+// once into kvbuf for every group. scores holds rows x (partition_keys + 8) floats.
+template <int NV, typename T, int RB>
+[[gnu::always_inline]] inline void attend_rows(const Problem& p, int64_t seq, int64_t key_begin, int64_t key_end,
+                                               float* acc, float* row_max, float* row_sum, float* qbuf, float* kvbuf,
+                                               float* scores) {
+  const int64_t d = p.head_dim, g = p.group, bs = p.block_size;
   const int64_t start = p.query_start[seq], qlen = p.query_start[seq + 1] - start;
   const int64_t per_kv = qlen * g, rows = per_kv * p.num_kv_heads, first_pos = p.seq_lens[seq] - qlen;
   const int64_t sstride = p.partition_keys + 8, span = key_end - key_begin;
@@ -204,36 +238,47 @@ void attend(const Problem& p, int64_t seq, int64_t key_begin, int64_t key_end, f
     row_sum[r] = 0.0f;
   }
   const int64_t* table = p.tables + seq * p.table_stride;
-  // The block's first `count` rows of KV head kv as fp32: in place, or converted into kvbuf.
-  auto head_rows = [&](const void* plane, int64_t block, int64_t kv, int64_t count) -> const float* {
+  // f(rows, stride) with the block's first `count` rows of KV head kv: in place, or
+  // widened into kvbuf when several groups will read them.
+  auto with_head_rows = [&](const void* plane, int64_t block, int64_t kv, int64_t count, auto&& f) {
     const T* base = static_cast<const T*>(plane) + block * p.block_stride + kv * d;
-    if constexpr (std::is_same_v<T, float>) {
-      return base;
-    } else {
-      convert_rows(base, p.token_stride, count, d, kvbuf);
-      return kvbuf;
+    if constexpr (!std::is_same_v<T, float>) {
+      if (per_kv > RB) {
+        convert_rows(base, p.token_stride, count, d, kvbuf);
+        return f(static_cast<const float*>(kvbuf), d);
+      }
     }
+    f(base, p.token_stride);
   };
-  const int64_t stride = std::is_same_v<T, float> ? p.token_stride : d;
   // Keys of this block that query row r may see (causal within the new tokens).
   auto visible = [&](int64_t r, int64_t b0, int64_t n) {
     const int64_t token = (r % per_kv) / g;
     return std::max<int64_t>(0, std::min(n, first_pos + token - b0 + 1));
   };
+  // f(std::integral_constant<int, R>, first row) for KV head kv's rows in groups of up to RB.
+  auto for_groups = [&](int64_t kv, auto&& f) {
+    for (int64_t r0 = kv * per_kv, end = r0 + per_kv; r0 < end; r0 += RB)
+      with_rows<RB>(end - r0, [&](auto R) { f(R, r0); });
+  };
 
   for (int64_t b0 = key_begin; b0 < key_end; b0 += bs) {
     const int64_t block = table[b0 / bs], n = std::min(bs, key_end - b0);
-    if (b0 + bs < key_end) prefetch_block<_MM_HINT_T0>(p, p.k_cache, table[b0 / bs + 1], std::min(bs, key_end - b0 - bs));
-    prefetch_block<_MM_HINT_T1>(p, p.v_cache, block, n);  // for the second pass
     for (int64_t kv = 0; kv < p.num_kv_heads; ++kv) {
-      // Whole block: row_scores' 8-key tiles read up to the block's end.
-      const float* keys = head_rows(p.k_cache, block, kv, bs);
-      for (int64_t r = kv * per_kv; r < (kv + 1) * per_kv; ++r) {
-        const int64_t count = visible(r, b0, n);
-        float* s = scores + r * sstride + (b0 - key_begin);
-        if (count > 0) row_scores<NV>(qbuf + r * d, keys, stride, count, bs, nv, s);
-        std::fill(s + count, s + n, kNegInf);
-      }
+      if (b0 + bs < key_end) prefetch_head<_MM_HINT_T0>(p, p.k_cache, table[b0 / bs + 1], kv, std::min(bs, key_end - b0 - bs));
+      prefetch_head<_MM_HINT_T1>(p, p.v_cache, block, kv, n);  // for the second pass
+      // Whole block: the 8-key tiles read up to the block's end.
+      with_head_rows(p.k_cache, block, kv, bs, [&](const auto* keys, int64_t stride) {
+        for_groups(kv, [&](auto R, int64_t r0) {
+          int64_t count[R];
+          float* s[R];
+          for (int r = 0; r < R; ++r) {
+            count[r] = visible(r0 + r, b0, n);
+            s[r] = scores + (r0 + r) * sstride + (b0 - key_begin);
+          }
+          group_scores<NV, R>(qbuf + r0 * d, d, keys, stride, count, bs, s);
+          for (int r = 0; r < R; ++r) std::fill(s[r] + count[r], s[r] + n, kNegInf);
+        });
+      });
     }
   }
   const int64_t padded = (span + 7) & ~int64_t{7};
@@ -243,7 +288,10 @@ void attend(const Problem& p, int64_t seq, int64_t key_begin, int64_t key_end, f
     __m256 vmax = _mm256_set1_ps(kNegInf);
     for (int64_t t = 0; t < padded; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
     const float m = hmax(vmax);
-    if (m == kNegInf) continue;  // every key of the partition is after this row's token
+    if (m == kNegInf) {  // every key of the partition is after this row's token: no weight on any
+      std::fill(s, s + padded, 0.0f);
+      continue;
+    }
     const __m256 vm = _mm256_set1_ps(m);
     __m256 vsum = _mm256_setzero_ps();
     for (int64_t t = 0; t < padded; t += 8) {
@@ -256,27 +304,50 @@ void attend(const Problem& p, int64_t seq, int64_t key_begin, int64_t key_end, f
   }
   for (int64_t b0 = key_begin; b0 < key_end; b0 += bs) {
     const int64_t block = table[b0 / bs], n = std::min(bs, key_end - b0);
-    if (b0 + bs < key_end) prefetch_block<_MM_HINT_T0>(p, p.v_cache, table[b0 / bs + 1], std::min(bs, key_end - b0 - bs));
     for (int64_t kv = 0; kv < p.num_kv_heads; ++kv) {
-      const float* values = nullptr;
-      for (int64_t r = kv * per_kv; r < (kv + 1) * per_kv; ++r) {
-        const int64_t count = visible(r, b0, n);
-        if (count == 0) continue;
-        if (values == nullptr) values = head_rows(p.v_cache, block, kv, n);
-        row_values<NV>(acc + r * d, scores + r * sstride + (b0 - key_begin), values, stride, count, nv);
-      }
+      if (b0 + bs < key_end) prefetch_head<_MM_HINT_T0>(p, p.v_cache, table[b0 / bs + 1], kv, std::min(bs, key_end - b0 - bs));
+      if (visible((kv + 1) * per_kv - 1, b0, n) == 0) continue;  // the head's last row sees the most
+      with_head_rows(p.v_cache, block, kv, n, [&](const auto* values, int64_t stride) {
+        for_groups(kv, [&](auto R, int64_t r0) {
+          const int64_t count = visible(r0 + R - 1, b0, n);
+          if (count == 0) return;
+          float* a[R];
+          const float* w[R];
+          for (int r = 0; r < R; ++r) {
+            a[r] = acc + (r0 + r) * d;
+            w[r] = scores + (r0 + r) * sstride + (b0 - key_begin);
+          }
+          group_values<NV, R>(a, w, values, stride, count, d);
+        });
+      });
     }
   }
+}
+
+template <int NV, typename T>
+void attend(const Problem& p, int64_t seq, int64_t key_begin, int64_t key_end, float* acc, float* row_max,
+            float* row_sum, float* qbuf, float* kvbuf, float* scores) {
+  attend_rows<NV, T, 1>(p, seq, key_begin, key_end, acc, row_max, row_sum, qbuf, kvbuf, scores);
+}
+
+// The same arithmetic with three rows per group: AVX-512VL gives the 32 ymm registers
+// that three rows' accumulators need.
+template <int NV, typename T>
+__attribute__((target("avx512f,avx512vl"))) void attend512(const Problem& p, int64_t seq, int64_t key_begin,
+                                                           int64_t key_end, float* acc, float* row_max, float* row_sum,
+                                                           float* qbuf, float* kvbuf, float* scores) {
+  attend_rows<NV, T, 3>(p, seq, key_begin, key_end, acc, row_max, row_sum, qbuf, kvbuf, scores);
 }
 
 using AttendFn = void (*)(const Problem&, int64_t, int64_t, int64_t, float*, float*, float*, float*, float*, float*);
 
 template <typename T>
 AttendFn attend_for(int64_t head_dim) {
+  const bool wide = use_avx512();
   switch (head_dim) {
-    case 64: return attend<8, T>;
-    case 128: return attend<16, T>;
-    default: return attend<0, T>;
+    case 64: return wide ? attend512<8, T> : attend<8, T>;
+    case 128: return wide ? attend512<16, T> : attend<16, T>;
+    default: return wide ? attend512<0, T> : attend<0, T>;
   }
 }
 
