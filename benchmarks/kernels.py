@@ -1,6 +1,6 @@
 """pagedserve's native ops against today's torch path, paired in one process.
 
-    .venv/bin/python benchmarks/kernels.py [--section attention] [--reps 15]
+    .venv/bin/python benchmarks/kernels.py [--section attention|decode-paths] [--reps 15]
         [--threads 2] [--clock wall|cpu]
 
 Each section times its native op and the torch path it replaces on the same inputs,
@@ -15,10 +15,16 @@ against CpuPagedAttention.forward, both with the step's plan already built (the
 runner builds it once for all 30 layers) and both writing the step's K/V. Also the
 K/V bytes the native op reads per second against the machine's copy bandwidth
 (bytes read + written per second copying a 256 MiB tensor).
+
+decode-paths: the native decode op alone at W3's shape (64 decodes x 320 keys) over 30
+layers' caches, so that K/V come from memory as in the engine, for each cache dtype
+(fp32, fp16) and each instruction-set path (the widest the CPU has, and AVX2 through
+PAGEDSERVE_NATIVE_ISA), interleaved layer pass by layer pass; milliseconds per layer.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -27,11 +33,11 @@ from collections.abc import Callable
 import torch
 
 from pagedserve.attention import cpu_backend
-from pagedserve.attention.backend import ReferenceBackend
+from pagedserve.attention.backend import ReferenceBackend, to_cache_dtype
 from pagedserve.attention.cpu_backend import CpuPagedAttention
 from pagedserve.attention.native_backend import NativePagedAttention
 from pagedserve.attention.testing import random_step
-from pagedserve.kernels import native_unavailable_reason
+from pagedserve.kernels import native_isa, native_unavailable_reason
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 SCALE = HEAD_DIM**-0.5
@@ -99,7 +105,41 @@ def attention_section(reps: int, clock: Callable[[], float]) -> None:
         print(row)
 
 
-SECTIONS: dict[str, Callable[[int, Callable[[], float]], None]] = {"attention": attention_section}
+def decode_paths_section(reps: int, clock: Callable[[], float], layers: int = 30) -> None:
+    seqs = [(1, 320)] * 64
+    q, k, v, cache, meta = random_step(seqs, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, spare_blocks=1)
+    out = torch.empty(q.shape[0], NUM_HEADS * HEAD_DIM)
+    ids = torch.arange(len(seqs))
+    caches = {name: [to_cache_dtype(cache, dtype).clone() for _ in range(layers)]
+              for name, dtype in (("fp32", torch.float32), ("fp16", torch.float16))}
+    wide = native_isa()
+    arms = [(name, isa) for name in caches for isa in dict.fromkeys((wide, "avx2"))]
+
+    def pass_over_layers(name: str, isa: str) -> Callable[[], None]:
+        def run() -> None:
+            os.environ["PAGEDSERVE_NATIVE_ISA"] = "avx2" if isa == "avx2" else "auto"
+            for layer_cache in caches[name]:
+                torch.ops.pagedserve.paged_attention_(out, q, layer_cache, meta.block_tables, meta.query_start_loc,
+                                                      meta.seq_lens, ids, SCALE)
+        return run
+
+    before = os.environ.get("PAGEDSERVE_NATIVE_ISA")
+    try:
+        times = paired([pass_over_layers(name, isa) for name, isa in arms], reps, clock)
+    finally:
+        if before is None:
+            os.environ.pop("PAGEDSERVE_NATIVE_ISA", None)
+        else:
+            os.environ["PAGEDSERVE_NATIVE_ISA"] = before
+    base = times[arms.index(("fp32", "avx2"))]
+    print(f"64 decodes x 320 keys, {layers} layers' caches")
+    print(f"{'cache':6} {'path':12} {'ms/layer':>9} {'vs fp32 avx2':>13}")
+    for (name, isa), t in zip(arms, times):
+        print(f"{name:6} {isa:12} {t / layers * 1e3:9.3f} {base / t:12.2f}x")
+
+
+SECTIONS: dict[str, Callable[[int, Callable[[], float]], None]] = {
+    "attention": attention_section, "decode-paths": decode_paths_section}
 
 
 def main() -> None:
