@@ -107,7 +107,7 @@ def attention_section(reps: int, clock: Callable[[], float]) -> None:
 
 def decode_paths_section(reps: int, clock: Callable[[], float], layers: int = 30) -> None:
     seqs = [(1, 320)] * 64
-    q, k, v, cache, meta = random_step(seqs, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, spare_blocks=1)
+    q, _, _, cache, meta = random_step(seqs, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, spare_blocks=1)
     out = torch.empty(q.shape[0], NUM_HEADS * HEAD_DIM)
     ids = torch.arange(len(seqs))
     caches = {name: [to_cache_dtype(cache, dtype).clone() for _ in range(layers)]

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from kernel_paths import outputs_on_every_path
 from pagedserve.attention.backend import ReferenceBackend, to_cache_dtype, write_kv
 from pagedserve.attention.cpu_backend import PREFILL_MIN_QUERY_LEN, CpuPagedAttention
 from pagedserve.attention.metadata import AttentionMetadata
@@ -14,8 +15,6 @@ from pagedserve.attention.native_backend import NativePagedAttention
 from pagedserve.attention.selector import default_backend_name, get_backend
 from pagedserve.attention.testing import random_step
 from pagedserve.kernels import native_unavailable_reason
-
-from kernel_paths import outputs_on_every_path
 
 
 @pytest.fixture(scope="module", autouse=True)

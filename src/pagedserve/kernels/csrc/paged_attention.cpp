@@ -19,11 +19,11 @@
 // K and V vector (its 32 ymm registers hold three rows' accumulators), the same per-lane
 // arithmetic as one at a time, so both paths give the same bits.
 // A cache of fp16 or fp8 elements (`--kv-cache-dtype`) is read in its own width: widened
-// in registers when one group of rows is all a KV head has (a decode with GQA <= 3 on
-// AVX-512), otherwise converted to fp32 once per block and head, into a buffer that stays
-// in L1 while every query row of that head uses it. Fused so, an fp16 cache took
-// 0.58-0.64x the time of fp32 at 64 decodes x 320 context (30 layers' caches, 2
-// threads), where the buffer had left it at 0.76-0.84x.
+// in registers as it is read when a KV head has at most kWidenRows query rows (a decode
+// at GQA <= 3), otherwise converted to fp32 once per block and head, into a buffer that
+// stays in L1 while every query row of that head uses it. Widened so, an fp16 cache took
+// 0.58-0.64x the time of fp32 at 64 decodes x 320 context (30 layers' caches, 2 threads,
+// AVX-512 path), where the buffer had left it at 0.76-0.84x.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -47,6 +47,11 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // little beside it, short enough that every row's scores for it stay in L1/L2.
 constexpr int64_t kPartitionKeys = 256;
 constexpr int64_t kMaxBlockSize = 256;
+// Up to this many query rows per KV head, a narrow cache is widened in registers on each
+// row group's read rather than once into a buffer: on the AVX2 path (one row per group, so
+// three widenings of each vector) 64 fp16 decodes x 320 keys took 0.96-1.00 ms a layer
+// against 1.02-1.18 through the buffer, alternated three times.
+constexpr int64_t kWidenRows = 3;
 
 
 inline float hmax(__m256 v) {
@@ -218,9 +223,9 @@ template <int M, typename F>
 // max/exp per row follows, then a second pass accumulates V. Each pass walks the
 // blocks in order, so each block's K (then V) rows are read from memory once for all
 // the query rows of the sequence, and from L1 once per group of RB rows of a KV head.
-// A narrow cache is widened as it is read when one group holds all of a KV head's rows
-// (a decode at RB >= the GQA ratio); otherwise each block's rows of a head are widened
-// once into kvbuf for every group. scores holds rows x (partition_keys + 8) floats.
+// A narrow cache is widened as it is read when a KV head has at most kWidenRows rows;
+// otherwise each block's rows of a head are widened once into kvbuf for every group.
+// scores holds rows x (partition_keys + 8) floats.
 template <int NV, typename T, int RB>
 [[gnu::always_inline]] inline void attend_rows(const Problem& p, int64_t seq, int64_t key_begin, int64_t key_end,
                                                float* acc, float* row_max, float* row_sum, float* qbuf, float* kvbuf,
@@ -239,11 +244,11 @@ template <int NV, typename T, int RB>
   }
   const int64_t* table = p.tables + seq * p.table_stride;
   // f(rows, stride) with the block's first `count` rows of KV head kv: in place, or
-  // widened into kvbuf when several groups will read them.
+  // widened into kvbuf when more than kWidenRows rows will read them.
   auto with_head_rows = [&](const void* plane, int64_t block, int64_t kv, int64_t count, auto&& f) {
     const T* base = static_cast<const T*>(plane) + block * p.block_stride + kv * d;
     if constexpr (!std::is_same_v<T, float>) {
-      if (per_kv > RB) {
+      if (per_kv > kWidenRows) {
         convert_rows(base, p.token_stride, count, d, kvbuf);
         return f(static_cast<const float*>(kvbuf), d);
       }
