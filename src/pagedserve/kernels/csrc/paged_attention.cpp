@@ -357,7 +357,7 @@ AttendFn attend_for(int64_t head_dim) {
 }
 
 // A sequence's output rows from its unnormalised ones.
-void write_rows(const Problem& p, int64_t seq, const float* acc, const float* row_max, const float* row_sum) {
+void write_rows(const Problem& p, int64_t seq, const float* acc, const float* row_sum) {
   const int64_t d = p.head_dim, g = p.group, start = p.query_start[seq], qlen = p.query_start[seq + 1] - start;
   for (int64_t r = 0, rows = qlen * g * p.num_kv_heads; r < rows; ++r) {
     const RowIndex ri = row_index(r, qlen, g);
@@ -483,7 +483,7 @@ void paged_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
       const int64_t rows = (qs[it.seq + 1] - qs[it.seq]) * num_heads;
       if (it.group_index < 0) {
         fn(p, it.seq, it.key_begin, it.key_end, acc, row_max, row_sum, qbuf, kvbuf, scores);
-        write_rows(p, it.seq, acc, row_max, row_sum);
+        write_rows(p, it.seq, acc, row_sum);
         continue;
       }
       float* part = partials.data() + it.partial;
@@ -492,7 +492,7 @@ void paged_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
       if (remaining[it.group_index].fetch_sub(1, std::memory_order_acq_rel) == 1) {
         const SplitGroup& sg = groups[it.group_index];
         merge_parts(p, sg, partials.data(), acc, row_max, row_sum);
-        write_rows(p, sg.seq, acc, row_max, row_sum);
+        write_rows(p, sg.seq, acc, row_sum);
       }
     }
   };
