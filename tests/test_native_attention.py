@@ -131,15 +131,15 @@ def test_a_rows_output_does_not_depend_on_the_batch_threads_or_chunking():
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (16, 2, 72)],
                          ids=["gqa1", "gqa3", "gqa4-d128", "gqa8-d72"])
 def test_every_instruction_set_path_gives_the_same_bits(dtype, num_heads, num_kv_heads, head_dim):
-    # The AVX-512 path takes three query rows of a KV head through each K/V vector (and
-    # widens a narrow cache in registers when those are all the head's rows); the AVX2
-    # path takes one. Decodes, short causal queries whose rows see different keys, and a
-    # split sequence, on 1 and 2 threads.
+    # The AVX-512 path takes three query rows of a KV head through each K/V vector, the
+    # AVX2 path one; a narrow cache is widened in registers (GQA <= 3 decodes) or through
+    # the per-block buffer (longer queries, GQA 4 and 8). Decodes, short causal queries
+    # whose rows see different keys, and a split sequence, on 1 and 2 threads.
     seqs = [(1, n) for n in (1, 7, 16, 17, 300)] + [(2, 9), (4, 17), (5, 40), (1, 1000)]
     q, k, v, cache, meta = random_step(seqs, num_heads, num_kv_heads, head_dim, 16, seed=5)
     write_kv(k, v, cache, meta.slot_mapping)
     cache = to_cache_dtype(cache, dtype)
-    outputs = outputs_on_every_path(lambda rows: native_op(q, cache, meta, head_dim**-0.5), q, [q.shape[0]])
+    outputs = outputs_on_every_path(lambda _: native_op(q, cache, meta, head_dim**-0.5), q, [q.shape[0]])
     for out in outputs[1:]:
         assert torch.equal(out, outputs[0])
 
