@@ -13,6 +13,28 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 from pagedserve.model.registry import default_model_path
 
 
+def pytest_terminal_summary(terminalreporter):
+    """One line saying which native instruction-set paths this run exercised, so a green
+    run on an AVX2-only machine says it proved nothing about the AVX-512 paths."""
+    from pagedserve.kernels import ISA_FLAGS, cpu_flags, cpu_model_name, native_paths, native_unavailable_reason
+
+    flags = cpu_flags()
+    have = [f for f in ISA_FLAGS if f in flags]
+    lacks = [f for f in ISA_FLAGS if f not in flags]
+    write = terminalreporter.write_line
+    write(f"CPU: {cpu_model_name()}; has {' '.join(have)}" + (f"; lacks {' '.join(lacks)}" if lacks else ""))
+    reason = native_unavailable_reason()
+    if reason is not None:
+        write(f"native paths exercised: none ({reason})")
+        return
+    paths = native_paths()
+    skipped = [p for p in paths.available if p not in paths.taken]
+    missing = [p for p in paths.all if p not in paths.available]
+    write("native paths exercised: " + (", ".join(paths.taken) or "none")
+          + (f"; available here, not exercised: {', '.join(skipped)}" if skipped else "")
+          + f"; not available on this CPU: {', '.join(missing) or 'none'}")
+
+
 @pytest.fixture
 def threads(request):
     """Run the test with request.param torch threads (parametrize it indirectly), restoring the count after."""

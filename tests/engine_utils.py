@@ -69,6 +69,24 @@ def check_busy_batch(llm: LLM, expect_preemption: bool = False) -> dict[int, lis
     return alone
 
 
+def busy_batch_bits(llm: LLM, max_tokens: int = 8) -> list[list[int]]:
+    """busy_batch_tokens for greedy requests, bit for bit: the first two requests' tokens
+    and the logprobs of each (their logits' bits, as the sampler saw them) are the same
+    alone and inside the batch. The native kernels promise this on every CPU; the torch
+    path does not (its flash attention and MKL products block by the batch's shape)."""
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    prompts = busy_batch(llm.tokenizer)[0][:6]
+
+    def bits(completion) -> list[tuple[int, float]]:
+        return [(t, lp[t].logprob) for t, lp in zip(completion.token_ids, completion.logprobs)]
+
+    alone = [bits(llm.generate([prompts[i]], greedy, use_tqdm=False)[0].outputs[0]) for i in (0, 1)]
+    batch = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [bits(out.outputs[0]) for out in batch[:2]] == alone
+    assert_all_blocks_free(llm)
+    return [out.outputs[0].token_ids for out in batch]
+
+
 def busy_batch_tokens(llm, params) -> list[list[int]]:
     """Six busy_batch prompts (long and short, two sharing a cached prefix) run together:
     the first two give the tokens they give alone, and every block comes back."""

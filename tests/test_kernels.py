@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.attention.cpu_backend import _merge_weights
 from pagedserve.kernels import (
     LIBRARY_PATH,
     REQUIRED_CPU_FLAGS,
     cpu_flags,
     native_isa,
+    native_paths,
     native_unavailable_reason,
     resolve_kernels,
 )
@@ -44,6 +44,12 @@ def test_the_wider_paths_follow_the_cpu(monkeypatch):
     assert native_isa() == expected
     monkeypatch.setenv("PAGEDSERVE_NATIVE_ISA", "avx2")
     assert native_isa() == "avx2"
+    # Each wider path asks the CPU for every extension its instructions use.
+    needs = {"paged_attention:avx512vl": {"avx512f", "avx512vl"}, "dequant_linear:avx512f": {"avx512f"},
+             "quant_linear:avx512_vnni": {"avx512f", "avx512bw", "avx512_vnni"}}
+    paths = native_paths()
+    assert set(paths.all) == set(needs) | {"paged_attention:avx2", "dequant_linear:avx2", "quant_linear:avx2"}
+    assert set(paths.available) == set(paths.all) - {p for p, n in needs.items() if not n <= flags}
 
 
 def test_unknown_kernel_choice_names_the_parameter():
@@ -113,36 +119,3 @@ def test_rotary_rejects_mismatched_shapes():
         torch.ops.pagedserve.rotary_(q, torch.randn(3, 1, 8), torch.randn(4, 1, 4), torch.randn(4, 1, 4))
 
 
-@pytest.mark.parametrize("query_len,heads,kv_heads,head_dim,context_len",
-                         [(16, 9, 3, 64, 100), (256, 9, 3, 64, 1792), (20, 8, 2, 128, 33), (17, 4, 4, 12, 5)])
-def test_merge_attention_gives_the_torch_paths_bits_and_writes_nothing_else(query_len, heads, kv_heads, head_dim,
-                                                                           context_len):
-    """The two halves as attend_chunk makes them (causal own keys; the context with each KV
-    head's query heads folded) against the torch path's weighted sum, bit for bit, and
-    every other row of the output untouched."""
-    g = torch.Generator().manual_seed(query_len)
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    q = torch.randn(1, heads, query_len, head_dim, generator=g)
-    own_kv = torch.randn(2, 1, heads, query_len, head_dim, generator=g)
-    context = torch.randn(2, 1, kv_heads, context_len, head_dim, generator=g)
-    own, own_lse = flash(q, own_kv[0], own_kv[1], 0.0, True, scale=head_dim**-0.5)
-    earlier, earlier_lse = flash(q.reshape(1, kv_heads, -1, head_dim), context[0], context[1], 0.0, False,
-                                 scale=head_dim**-0.5)
-    w, earlier_w = _merge_weights(own_lse, earlier_lse.reshape(own_lse.shape))
-    expected = own * w.unsqueeze(-1) + earlier.reshape(own.shape) * earlier_w.unsqueeze(-1)
-    expected = expected[0].transpose(0, 1).reshape(query_len, heads * head_dim)
-    out = torch.full((query_len + 7, heads * head_dim), float("nan"))
-    torch.ops.pagedserve.merge_attention_(out, 3, own, w, earlier, earlier_w)
-    assert torch.equal(out[3 : 3 + query_len], expected)
-    assert out[:3].isnan().all() and out[3 + query_len :].isnan().all()
-
-
-def test_merge_attention_rejects_rows_outside_the_output():
-    own, weight = torch.randn(1, 2, 4, 8), torch.rand(1, 2, 4)
-    context = torch.randn(1, 1, 8, 8)
-    with pytest.raises(RuntimeError, match="rows start"):
-        torch.ops.pagedserve.merge_attention_(torch.empty(5, 16), 2, own, weight, context, weight)
-    with pytest.raises(RuntimeError, match="fold"):
-        torch.ops.pagedserve.merge_attention_(torch.empty(5, 16), 0, own, weight, context[:, :, :6], weight)
-    with pytest.raises(RuntimeError, match="weights"):
-        torch.ops.pagedserve.merge_attention_(torch.empty(5, 16), 0, own, weight[:, :1], context, weight)

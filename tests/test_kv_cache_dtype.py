@@ -103,19 +103,26 @@ def loaded():
     return load_model()
 
 
-@pytest.mark.parametrize("name", ["fp16", "fp8_e4m3"])
+@pytest.mark.parametrize("name", ["fp16", "fp8_e4m3", "fp8_e5m2"])
 def test_engine_pool_is_sized_by_the_width_and_keeps_its_accounting(loaded, name):
-    from engine_utils import KV_BYTES_PER_BLOCK, busy_batch_tokens, make_llm
+    from engine_utils import KV_BYTES_PER_BLOCK, assert_all_blocks_free, busy_batch, busy_batch_bits, make_llm
 
     from pagedserve import SamplingParams
 
-    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    tokens = {}
     for kernels in ("native", "torch"):
-        # Small chunks: prompts take both the short-query and the prefill-chunk paths.
+        # Small chunks: prompts are cut differently alone and beside the others.
         llm = make_llm(loaded, kernels=kernels, kv_cache_dtype=name, max_num_batched_tokens=24, max_num_seqs=8,
                        kv_cache_memory=64 * KV_BYTES_PER_BLOCK)
         assert llm.engine.runner.kv_caches[0].dtype == kv_cache_torch_dtype(name)
         assert llm.stats()["kv_total_blocks"] == 64 * 4 // kv_cache_torch_dtype(name).itemsize
-        tokens[kernels] = busy_batch_tokens(llm, greedy)
-    assert tokens["native"] == tokens["torch"]
+        if kernels == "native":
+            # Bit for bit: a narrow cache rounds K/V, so any difference in how a prompt was
+            # attended (its chunking, the batch around a row) can become another token.
+            busy_batch_bits(llm)
+        else:
+            # The torch path's rows depend on the batch's shape in the last bits (flash
+            # attention, MKL), which a narrow cache's rounding may carry into the tokens:
+            # only its accounting is promised.
+            llm.generate(busy_batch(llm.tokenizer)[0][:6], SamplingParams(temperature=0, max_tokens=8),
+                         use_tqdm=False)
+            assert_all_blocks_free(llm)

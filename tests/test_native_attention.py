@@ -126,8 +126,53 @@ def test_a_rows_output_does_not_depend_on_the_batch_threads_or_chunking():
                 assert torch.equal(last_row(query_len, with_others, threads), expected), (query_len, with_others, threads)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2],
-                         ids=["fp32", "fp16", "fp8_e4m3", "fp8_e5m2"])
+CACHE_DTYPES = pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2],
+    ids=["fp32", "fp16", "fp8_e4m3", "fp8_e5m2"])
+
+
+def prompt_in_chunks(backend, chunks, others, q, k, v, dtype, block_size=16):
+    """One prompt's attention output, its tokens fed in `chunks` (one step each) with
+    `others` (query_len, seq_len) sequences beside it in every step, into a fresh cache."""
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, head_dim = q.shape[1], k.shape[1], k.shape[2]
+    table = list(range(-(-q.shape[0] // block_size)))
+    cache = torch.zeros(2, len(table) + 40, block_size, kv_heads, head_dim).to(dtype)
+    other_tables = [list(range(len(table) + 10 * i, len(table) + 10 * (i + 1))) for i in range(len(others))]
+    outs, pos = [], 0
+    for n in chunks:
+        lens = [n] + [ql for ql, _ in others]
+        rows = sum(lens)
+        meta = AttentionMetadata.for_sequences(lens, [pos + n] + [sl for _, sl in others],
+                                               [table] + other_tables, block_size)
+        pad = lambda x: torch.cat([x[pos:pos + n], torch.randn(rows - n, *x.shape[1:], generator=gen)])  # noqa: E731
+        outs.append(backend.forward(pad(q), pad(k), pad(v), cache, meta, head_dim**-0.5)[:n])
+        pos += n
+    return torch.cat(outs)
+
+
+@CACHE_DTYPES
+@pytest.mark.parametrize("backend", ["native", "contiguous-native"])
+def test_a_prompts_bits_do_not_depend_on_its_chunking_or_the_batch(dtype, backend):
+    # The engine's "same tokens alone and in a busy batch" rests on this, prefill included:
+    # a prompt chunked differently (its own budget, or beside other requests' decodes and
+    # chunks) must store the same K/V in the next layer. Long chunks once went through
+    # torch's flash attention, which blocks keys by the chunk's length: other bits per
+    # chunking, which an fp8_e4m3 cache turned into other greedy tokens on AMD Zen 4.
+    from pagedserve.attention.contiguous_backend import NativeContiguousAttention
+
+    make = {"native": NativePagedAttention, "contiguous-native": NativeContiguousAttention}[backend]
+    torch.manual_seed(0)
+    n = 300  # more than one 256-key partition, and more rows than one tile
+    q, k, v = torch.randn(n, 9, 64), torch.randn(n, 3, 64), torch.randn(n, 3, 64)
+    whole = prompt_in_chunks(make(), [n], [], q, k, v, dtype)
+    for chunks, others in (([256, 44], []), ([24] * 12 + [12], [(1, 37)]), ([100, 1, 15, 184], [(1, 9), (20, 20)]),
+                           ([16] * 18 + [1] * 12, [])):
+        got = prompt_in_chunks(make(), chunks, others, q, k, v, dtype)
+        assert torch.equal(got, whole), (chunks, others)
+
+
+@CACHE_DTYPES
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (16, 2, 72)],
                          ids=["gqa1", "gqa3", "gqa4-d128", "gqa8-d72"])
 def test_every_instruction_set_path_gives_the_same_bits(dtype, num_heads, num_kv_heads, head_dim):
@@ -240,16 +285,18 @@ def loaded():
 
 
 def test_engine_greedy_tokens_equal_on_both_kernel_paths_alone_and_in_a_busy_batch(loaded):
-    from engine_utils import busy_batch_tokens, make_llm
+    from engine_utils import busy_batch_bits, busy_batch_tokens, make_llm
     from pagedserve import SamplingParams
 
-    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     tokens = {}
     for kernels, backend in (("native", "native"), ("torch", "cpu")):
-        # Small chunks, so that prompts take both paths: short chunks and long ones.
+        # Small chunks: a prompt is cut differently alone and beside the others.
         llm = make_llm(loaded, kernels=kernels, max_num_batched_tokens=24, max_num_seqs=8)
         assert llm.engine.runner.backend.name == backend
-        tokens[kernels] = busy_batch_tokens(llm, greedy)
+        if kernels == "native":  # the logits' bits too
+            tokens[kernels] = busy_batch_bits(llm)
+        else:
+            tokens[kernels] = busy_batch_tokens(llm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert tokens["native"] == tokens["torch"]
 
 

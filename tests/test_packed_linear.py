@@ -34,6 +34,20 @@ def test_packed_matches_f_linear(rows, bias):
     torch.testing.assert_close(out, F.linear(x, weight, b), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("n_in,n_out", [(576, 960), (1536, 576), (2048, 8192), (8192, 2048)])
+@torch.inference_mode()
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(n_in, n_out):
+    # A request decoding alone is a one-row product; in a batch, one row of many. oneDNN
+    # takes another kernel for one row when K is large on AVX-512 CPUs (K >= 1,536 on AMD
+    # Zen 4: other bits), which the layer avoids by never giving it one row.
+    torch.manual_seed(n_in)
+    layer, _, _ = _pair(n_in, n_out, False)
+    x = torch.randn(300, n_in)
+    full = layer(x)
+    for rows in (1, 2, 3, 8, 33, 256):
+        assert torch.equal(layer(x[:rows].clone()), full[:rows]), rows
+
+
 @torch.inference_mode()
 def test_packed_reads_non_contiguous_inputs():
     layer, weight, _ = _pair(576, 1536, False)

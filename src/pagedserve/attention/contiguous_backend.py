@@ -11,13 +11,16 @@ is gathered and no block table is walked:
   own K/V and, unmasked, to the view of its earlier context, merged by log-sum-exp
   (cpu_backend.attend_chunk, with a view in place of a gather).
 
-`NativeContiguousAttention` sends the short queries to the native paged op instead: given
+`NativeContiguousAttention` sends every query to the native paged op instead: given
 tables of consecutive blocks it reads each context as one sequential stream, with all
-short queries of the step in one parallel call (the per-sequence torch calls cost
-~0.1 ms each per layer). docs/kv-layouts.md has the measurements.
+queries of the step in one parallel call (the per-sequence torch calls cost ~0.1 ms each
+per layer), and a row's bits do not depend on how its prompt was chunked
+(attention/native_backend.py says why that matters). docs/kv-layouts.md has the
+measurements.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 
 from ..kernels import native_unavailable_reason
 from .backend import check_step, write_kv
-from .cpu_backend import PREFILL_MIN_QUERY_LEN, attend_chunk
+from .cpu_backend import attend_chunk
 from .metadata import AttentionMetadata
 
 
@@ -100,11 +103,10 @@ class ContiguousAttention:
 
 
 class NativeContiguousAttention(ContiguousAttention):
-    """Every query below PREFILL_MIN_QUERY_LEN through the native op over consecutive
-    tables, in one call per layer; long chunks as above."""
+    """Every query through the native op over consecutive tables, in one call per layer."""
 
     name = "contiguous-native"
-    short_below = PREFILL_MIN_QUERY_LEN
+    short_below = sys.maxsize  # no query is long enough for the torch chunk path
 
     def __init__(self) -> None:
         reason = native_unavailable_reason()

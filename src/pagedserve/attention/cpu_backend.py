@@ -209,13 +209,12 @@ def attend_prefill(
     workspace: torch.Tensor,
     out: torch.Tensor,
     scale: float,
-    native_merge: bool = False,
 ) -> None:
     context = None
     if chunk.context_len:
         kv = _gather(kv_cache, chunk.block_ids, workspace)
         context = kv.view(2, -1, *kv_cache.shape[-2:])[:, : chunk.context_len]
-    attend_chunk(chunk.start, chunk.query_len, q, k, v, context, kv_cache.dtype, out, scale, native_merge)
+    attend_chunk(chunk.start, chunk.query_len, q, k, v, context, kv_cache.dtype, out, scale)
 
 
 def attend_chunk(
@@ -228,19 +227,18 @@ def attend_chunk(
     cache_dtype: torch.dtype,
     out: torch.Tensor,
     scale: float,
-    native_merge: bool = False,
 ) -> None:
     """Rows start:start+query_len of one sequence: causal over their own K/V, merged with
-    the earlier context (wherever it was read from) by log-sum-exp — by the native
-    `merge_attention_` op (one pass, straight into `out`) when `native_merge`."""
+    the earlier context (wherever it was read from) by log-sum-exp."""
     rows = slice(start, start + query_len)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[1]
     queries = q[rows].transpose(0, 1).unsqueeze(0)  # [1, num_heads, query_len, head_dim]
     # Causal over the chunk itself, whose K/V are this step's k/v: nothing to gather,
     # and the kernel skips the masked half. A narrow cache's chunk attends its own K/V
-    # as stored (rounded), as every later step will read them, so a token's output does
-    # not depend on whether its keys were in the same chunk: batch-invariant.
+    # as stored (rounded), as every later step will read them. (Still not bit-invariant to
+    # the chunking: flash attention blocks its keys by the chunk's length. The native
+    # backend is; attention/native_backend.py.)
     own_k, own_v = k[rows], v[rows]
     if cache_dtype != own_k.dtype:
         own_k = to_cache_dtype(own_k, cache_dtype).to(own_k.dtype)
@@ -257,9 +255,6 @@ def attend_chunk(
             scale=scale,
         )
         weight, earlier_weight = _merge_weights(lse, earlier_lse.reshape(lse.shape))
-        if native_merge:
-            torch.ops.pagedserve.merge_attention_(out, start, attended, weight, earlier, earlier_weight)
-            return
         attended = attended * weight.unsqueeze(-1) + earlier.reshape(attended.shape) * earlier_weight.unsqueeze(-1)
     out[rows] = attended[0].transpose(0, 1).reshape(query_len, num_heads * head_dim)
 

@@ -8,6 +8,7 @@ op is tested against.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from pathlib import Path
@@ -28,6 +29,22 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it ("unknown CPU" where it does not)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+# The CPU features that decide the native kernels' paths, and AMX, which none takes yet.
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile")
 
 
 @functools.cache
@@ -57,6 +74,26 @@ def native_isa() -> str:
     import torch
 
     return torch.ops.pagedserve.native_isa()
+
+
+@dataclasses.dataclass(frozen=True)
+class NativePaths:
+    """The native kernels' instruction-set paths as "kernel:isa" names: every one the
+    library has, those this CPU can run, and those this process has run so far."""
+
+    all: tuple[str, ...]
+    available: tuple[str, ...]
+    taken: tuple[str, ...]
+
+
+def native_paths() -> NativePaths:
+    reason = native_unavailable_reason()
+    if reason is not None:
+        raise ValueError(f"the native library cannot run: {reason}")
+    import torch
+
+    ops = torch.ops.pagedserve
+    return NativePaths(tuple(ops.isa_paths_all()), tuple(ops.isa_paths_available()), tuple(ops.isa_paths_taken()))
 
 
 def resolve_kernels(choice: str | None) -> str:

@@ -121,6 +121,14 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is None:
+            if x.shape[0] == 1:
+                # oneDNN takes another kernel for one row (another summation order) when K
+                # is large on AVX-512 CPUs (K >= 1,536 on AMD Zen 4): given two rows it takes
+                # the kernel every larger batch takes, so a request's bits do not depend on
+                # whether it decodes alone. At one row the product is bound by reading the
+                # weight, so the second row costs next to nothing.
+                return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), self.packed_weight,
+                                                          self.bias, "none", [], "")[:1]
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

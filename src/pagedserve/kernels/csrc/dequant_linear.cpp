@@ -484,6 +484,7 @@ at::Tensor dequant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
   const int64_t groups = (ng + 3) / 4;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, m * k * 4 * kTileCols));
   const bool avx512 = use_avx512(), in_registers = m < (avx512 ? kInRegisterRows512 : kInRegisterRows);
+  mark_isa_path(avx512 ? IsaPath::kDequantLinearAvx512 : IsaPath::kDequantLinearAvx2);
   at::parallel_for(0, groups, grain, [&](int64_t p0, int64_t p1) {
     const int64_t t0 = 4 * p0, nt = std::min(4 * p1, ng) - t0;
     if (qtype == kQ8_0) {

@@ -1,4 +1,4 @@
-// Paged attention for short queries (decodes, speculative verification rows, small
+// Paged attention for every query of a step (decodes, speculative verification rows,
 // prefill chunks) that reads K and V in place through the block table.
 //
 // Why not torch: CpuPagedAttention gathers every short query's blocks into a padded
@@ -15,6 +15,12 @@
 // sum) the last one to finish merges, in partition order: one long sequence uses every
 // core, and since partitions sit at fixed positions, a row's arithmetic depends only
 // on its own sequence, never on what else is in the batch or how its prompt was chunked.
+// A long query is cut into tiles of at most kTileRows rows (its tokens x query heads), each
+// tile its own items over only the partitions its last token can see: every tile's scores
+// stay in L2, and the causal half of a prompt's work is skipped. A row's arithmetic is the
+// same in any tile (a partition it cannot see adds nothing to the merge), so tiling keeps
+// the bits too. At 2,048 query tokens x 2,048 keys (SmolLM2's heads) the untiled op took
+// 2.0x the time of torch's flash attention; tiled, <see docs/benchmarks.md>.
 // Where the CPU has AVX-512VL, a KV head's query rows go three at a time through each
 // K and V vector (its 32 ymm registers hold three rows' accumulators), the same per-lane
 // arithmetic as one at a time, so both paths give the same bits.
@@ -47,6 +53,9 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // little beside it, short enough that every row's scores for it stay in L1/L2.
 constexpr int64_t kPartitionKeys = 256;
 constexpr int64_t kMaxBlockSize = 256;
+// Rows (query tokens x query heads) per work item at most: their scores for one partition,
+// kTileRows x (kPartitionKeys + 8) floats, take 270 KB, inside every target's L2.
+constexpr int64_t kTileRows = 256;
 // Up to this many query rows per KV head, a narrow cache is widened in registers on each
 // row group's read rather than once into a buffer: on the AVX2 path (one row per group, so
 // three widenings of each vector) 64 fp16 decodes x 320 keys took 0.96-1.00 ms a layer
@@ -90,15 +99,22 @@ struct Problem {
   int64_t partition_keys;  // a multiple of block_size
 };
 
+// Query tokens token_begin .. token_begin + tokens - 1 of a sequence's new tokens.
+struct Tile {
+  int64_t seq, token_begin, tokens;
+};
+
 struct Item {
-  int64_t seq, key_begin, key_end;
-  int64_t group_index;  // index of the (sequence, KV head) split group; -1 when unsplit
+  Tile tile;
+  int64_t key_begin, key_end;
+  int64_t group_index;  // index of the tile's split group; -1 when unsplit
   int64_t partial;      // offset of this item's partial result in the partials buffer
   int64_t cost;
 };
 
 struct SplitGroup {
-  int64_t seq, first_partial, num_parts, rows;
+  Tile tile;
+  int64_t first_partial, num_parts, rows;
 };
 
 // Eight elements of a cache row as fp32 (the stored values, whatever the load's own scale).
@@ -217,8 +233,8 @@ template <int M, typename F>
   f(std::integral_constant<int, M>{});
 }
 
-// Softmax attention of one sequence over keys [key_begin, key_end) (one partition),
-// every KV head: leaves the unnormalised output in acc [rows][head_dim], the max and
+// Softmax attention of one tile of a sequence's query tokens over keys [key_begin,
+// key_end) (one partition), every KV head: leaves the unnormalised output in acc [rows][head_dim], the max and
 // sum per row. A first pass over the partition's blocks writes every row's scores, one
 // max/exp per row follows, then a second pass accumulates V. Each pass walks the
 // blocks in order, so each block's K (then V) rows are read from memory once for all
@@ -227,12 +243,13 @@ template <int M, typename F>
 // otherwise each block's rows of a head are widened once into kvbuf for every group.
 // scores holds rows x (partition_keys + 8) floats.
 template <int NV, typename T, int RB>
-[[gnu::always_inline]] inline void attend_rows(const Problem& p, int64_t seq, int64_t key_begin, int64_t key_end,
-                                               float* acc, float* row_max, float* row_sum, float* qbuf, float* kvbuf,
+[[gnu::always_inline]] inline void attend_rows(const Problem& p, const Tile& tile, int64_t key_begin,
+                                               int64_t key_end, float* acc, float* row_max, float* row_sum, float* qbuf, float* kvbuf,
                                                float* scores) {
   const int64_t d = p.head_dim, g = p.group, bs = p.block_size;
-  const int64_t start = p.query_start[seq], qlen = p.query_start[seq + 1] - start;
-  const int64_t per_kv = qlen * g, rows = per_kv * p.num_kv_heads, first_pos = p.seq_lens[seq] - qlen;
+  const int64_t seq = tile.seq, start = p.query_start[seq] + tile.token_begin, qlen = tile.tokens;
+  const int64_t per_kv = qlen * g, rows = per_kv * p.num_kv_heads;
+  const int64_t first_pos = p.seq_lens[seq] - (p.query_start[seq + 1] - p.query_start[seq]) + tile.token_begin;
   const int64_t sstride = p.partition_keys + 8, span = key_end - key_begin;
   for (int64_t r = 0; r < rows; ++r) {
     const RowIndex ri = row_index(r, qlen, g);
@@ -330,25 +347,27 @@ template <int NV, typename T, int RB>
 }
 
 template <int NV, typename T>
-void attend(const Problem& p, int64_t seq, int64_t key_begin, int64_t key_end, float* acc, float* row_max,
+void attend(const Problem& p, const Tile& tile, int64_t key_begin, int64_t key_end, float* acc, float* row_max,
             float* row_sum, float* qbuf, float* kvbuf, float* scores) {
-  attend_rows<NV, T, 1>(p, seq, key_begin, key_end, acc, row_max, row_sum, qbuf, kvbuf, scores);
+  attend_rows<NV, T, 1>(p, tile, key_begin, key_end, acc, row_max, row_sum, qbuf, kvbuf, scores);
 }
 
 // The same arithmetic with three rows per group: AVX-512VL gives the 32 ymm registers
 // that three rows' accumulators need.
 template <int NV, typename T>
-__attribute__((target("avx512f,avx512vl"))) void attend512(const Problem& p, int64_t seq, int64_t key_begin,
+__attribute__((target("avx512f,avx512vl"))) void attend512(const Problem& p, const Tile& tile, int64_t key_begin,
                                                            int64_t key_end, float* acc, float* row_max, float* row_sum,
                                                            float* qbuf, float* kvbuf, float* scores) {
-  attend_rows<NV, T, 3>(p, seq, key_begin, key_end, acc, row_max, row_sum, qbuf, kvbuf, scores);
+  attend_rows<NV, T, 3>(p, tile, key_begin, key_end, acc, row_max, row_sum, qbuf, kvbuf, scores);
 }
 
-using AttendFn = void (*)(const Problem&, int64_t, int64_t, int64_t, float*, float*, float*, float*, float*, float*);
+using AttendFn = void (*)(const Problem&, const Tile&, int64_t, int64_t, float*, float*, float*, float*, float*,
+                          float*);
 
 template <typename T>
 AttendFn attend_for(int64_t head_dim) {
-  const bool wide = use_avx512();
+  const bool wide = use_avx512vl();
+  mark_isa_path(wide ? IsaPath::kAttentionAvx512vl : IsaPath::kAttentionAvx2);
   switch (head_dim) {
     case 64: return wide ? attend512<8, T> : attend<8, T>;
     case 128: return wide ? attend512<16, T> : attend<16, T>;
@@ -356,9 +375,9 @@ AttendFn attend_for(int64_t head_dim) {
   }
 }
 
-// A sequence's output rows from its unnormalised ones.
-void write_rows(const Problem& p, int64_t seq, const float* acc, const float* row_sum) {
-  const int64_t d = p.head_dim, g = p.group, start = p.query_start[seq], qlen = p.query_start[seq + 1] - start;
+// A tile's output rows from its unnormalised ones.
+void write_rows(const Problem& p, const Tile& tile, const float* acc, const float* row_sum) {
+  const int64_t d = p.head_dim, g = p.group, start = p.query_start[tile.seq] + tile.token_begin, qlen = tile.tokens;
   for (int64_t r = 0, rows = qlen * g * p.num_kv_heads; r < rows; ++r) {
     const RowIndex ri = row_index(r, qlen, g);
     float* dst = p.out + (start + ri.token) * p.out_token_stride + ri.head * d;
@@ -430,7 +449,6 @@ void paged_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
 
   const int64_t* seq_index = ids.data_ptr<int64_t>();
   const int64_t n = ids.numel();
-  int64_t max_rows = 0;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t s = seq_index[i];
     TORCH_CHECK(s >= 0 && s < num_seqs, "paged_attention_: seq_ids out of range");
@@ -438,29 +456,36 @@ void paged_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
     TORCH_CHECK(qlen >= 0 && qlen <= sl[s] && qs[s + 1] <= q.size(0), "paged_attention_: sequence ", s,
                 " has query_len above seq_len or beyond q");
     TORCH_CHECK(-(-sl[s] / bs) <= block_tables.size(1), "paged_attention_: sequence ", s, " has more blocks than its table");
-    max_rows = std::max(max_rows, qlen * num_heads);
   }
+  // Tokens per tile: whole tokens, all their query heads.
+  const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / num_heads);
   const int64_t threads = at::get_num_threads();
   const int64_t part_keys = p.partition_keys;
 
   std::vector<Item> items;
   std::vector<SplitGroup> groups;
   int64_t partial_floats = 0;
+  int64_t max_rows = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t s = seq_index[i], rows = (qs[s + 1] - qs[s]) * num_heads, keys = sl[s];
-    if (rows == 0 || keys == 0) continue;
-    const int64_t parts = (keys + part_keys - 1) / part_keys;
-    if (parts == 1) {
-      items.push_back({s, 0, keys, -1, -1, keys * rows});
-      continue;
+    const int64_t s = seq_index[i], qlen = qs[s + 1] - qs[s];
+    for (int64_t t0 = 0; t0 < qlen; t0 += tile_tokens) {
+      const Tile tile{s, t0, std::min(tile_tokens, qlen - t0)};
+      // Keys up to the tile's last token: no row of the tile sees past it.
+      const int64_t rows = tile.tokens * num_heads, keys = sl[s] - qlen + t0 + tile.tokens;
+      max_rows = std::max(max_rows, rows);
+      const int64_t parts = (keys + part_keys - 1) / part_keys;
+      if (parts == 1) {
+        items.push_back({tile, 0, keys, -1, -1, keys * rows});
+        continue;
+      }
+      const int64_t first = partial_floats, stride = rows * (d + 2);
+      for (int64_t k = 0; k < parts; ++k) {
+        const int64_t b = k * part_keys, e = std::min(keys, b + part_keys);
+        items.push_back({tile, b, e, static_cast<int64_t>(groups.size()), first + k * stride, (e - b) * rows});
+      }
+      groups.push_back({tile, first, parts, rows});
+      partial_floats += parts * stride;
     }
-    const int64_t first = partial_floats, stride = rows * (d + 2);
-    for (int64_t k = 0; k < parts; ++k) {
-      const int64_t b = k * part_keys, e = std::min(keys, b + part_keys);
-      items.push_back({s, b, e, static_cast<int64_t>(groups.size()), first + k * stride, (e - b) * rows});
-    }
-    groups.push_back({s, first, parts, rows});
-    partial_floats += parts * stride;
   }
   // Longest first, taken from a shared counter: uneven items balance across threads.
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
@@ -480,19 +505,19 @@ void paged_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
     float* scores = kvbuf + bs * d;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
       const Item& it = items[i];
-      const int64_t rows = (qs[it.seq + 1] - qs[it.seq]) * num_heads;
+      const int64_t rows = it.tile.tokens * num_heads;
       if (it.group_index < 0) {
-        fn(p, it.seq, it.key_begin, it.key_end, acc, row_max, row_sum, qbuf, kvbuf, scores);
-        write_rows(p, it.seq, acc, row_sum);
+        fn(p, it.tile, it.key_begin, it.key_end, acc, row_max, row_sum, qbuf, kvbuf, scores);
+        write_rows(p, it.tile, acc, row_sum);
         continue;
       }
       float* part = partials.data() + it.partial;
-      fn(p, it.seq, it.key_begin, it.key_end, part, part + rows * d, part + rows * d + rows, qbuf, kvbuf, scores);
+      fn(p, it.tile, it.key_begin, it.key_end, part, part + rows * d, part + rows * d + rows, qbuf, kvbuf, scores);
       // The part that finishes its group last merges it; acq_rel makes the others' partials visible.
       if (remaining[it.group_index].fetch_sub(1, std::memory_order_acq_rel) == 1) {
         const SplitGroup& sg = groups[it.group_index];
         merge_parts(p, sg, partials.data(), acc, row_max, row_sum);
-        write_rows(p, sg.seq, acc, row_sum);
+        write_rows(p, sg.tile, acc, row_sum);
       }
     }
   };

@@ -345,6 +345,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t q
   const float* bias_ptr = bias.has_value() ? bias_padded.data_ptr<float>() : nullptr;
   float* dst = out.data_ptr<float>();
   const bool q8 = qtype == kQ8_0, vnni = use_avx512_vnni();
+  mark_isa_path(vnni ? IsaPath::kQuantLinearAvx512Vnni : IsaPath::kQuantLinearAvx2);
   at::Tensor qa_u8;
   if (vnni && q8) {
     qa_u8 = at::empty_like(qa);
