@@ -4,7 +4,7 @@ standard library; and no two modules import each other, however indirectly.
 
 The order (docs/architecture.md draws it):
 
-    core -> attention, kernels, model, workload -> spec_decode, structured_output and the
+    core -> attention, kernels, model, workload, http (engine-free HTTP pieces) -> spec_decode, structured_output and the
     top-level option/result modules -> worker -> distributed (tensor parallelism) -> engine
     -> entrypoints (the server) -> router -> sim, bench -> entrypoints.cli and the package
     root (they launch everything)
@@ -22,7 +22,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / PACKAGE
 
 LAYERS: list[set[str]] = [
     {"core"},
-    {"attention", "kernels", "model", "workload", "paths", "kv_transfer"},
+    {"attention", "kernels", "model", "workload", "paths", "kv_transfer", "http"},
     {"spec_decode", "structured_output", "config", "sampling_params", "sampling_state", "outputs"},
     {"worker"},
     {"distributed"},

@@ -118,3 +118,26 @@ def test_router_keys_are_the_engine_hashes_for_the_same_prompt(loaded):
     assert not set(salted) & set(plain), "a tenant's salt must change every key of its prompt"
     bad = keyer.keys("/v1/completions", b"{not json")
     assert bad.token_ids == [] and bad.hashes(16) == []
+
+
+def test_a_failing_command_on_the_engine_thread_costs_only_itself(loaded):
+    # Commands the HTTP side sends the engine thread (KV events, the dashboard's switches)
+    # once stopped the engine when one raised: GET /v1/kv_events on the contiguous layout.
+    llm = make_llm(loaded)
+
+    def broken(_engine) -> None:
+        raise AttributeError("a command's own bug")
+
+    async def scenario() -> list[int]:
+        engine = AsyncEngine(llm.engine)
+        engine.start()
+        try:
+            engine.call_on_thread(broken)
+            tokens = []
+            async for delta in engine.submit([GenerationRequest("after", [1, 2, 3], PARAMS, time.monotonic())]):
+                tokens.extend(t for s in delta.samples for t in s.token_ids)
+            return tokens
+        finally:
+            await engine.close()
+
+    assert len(asyncio.run(scenario())) == PARAMS.max_tokens

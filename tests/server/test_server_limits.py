@@ -115,3 +115,86 @@ def test_the_server_still_serves(limited_server):
     r = httpx.post(limited_server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True},
                    timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+# ---- the header block: bounded in size and in time (http/bounds.py) --------------------
+
+HEADER_LIMIT = 16 << 10
+HEADER_TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def header_bounded_server(server_logs):
+    proc = start_server(server_logs, "--max-header-size", str(HEADER_LIMIT), "--header-timeout", str(HEADER_TIMEOUT_S))
+    yield proc
+    assert proc.stop() == 0
+    assert "Traceback" not in proc.log()
+
+
+def _rss_bytes(pid: int) -> int:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss
+
+
+def _answer(s: socket.socket) -> bytes:
+    answer = b""
+    try:
+        while data := s.recv(65536):
+            answer += data
+    except ConnectionResetError:
+        pass
+    return answer
+
+
+def test_a_header_flood_gets_431_unread_and_leaves_memory_alone(header_bounded_server):
+    """Issue 36: a single 500 MB header was read whole, answered 200 and kept in memory."""
+    pid = header_bounded_server.proc.pid
+    before = _rss_bytes(pid)
+    chunk = b"a" * (1 << 20)
+    sent = 0
+    with socket.create_connection(("127.0.0.1", header_bounded_server.port), timeout=30) as s:
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: ")
+        try:
+            for _ in range(200):  # up to 200 MB; the server stops reading long before
+                s.sendall(chunk)
+                sent += len(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        answer = _answer(s)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert b'"code": "request_header_fields_too_large"' in body and b'"type": "invalid_request_error"' in body
+    assert sent < 100 << 20, "the server kept reading a header block past its limit"
+    assert _rss_bytes(pid) - before < 32 << 20
+    # Headers under the limit still pass, and the server serves on.
+    ok = httpx.get(header_bounded_server.url + "/v1/models", headers={"X-Fine": "b" * (HEADER_LIMIT // 2)}, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_slow_header_senders_are_cut_off_and_health_answers_meanwhile(header_bounded_server):
+    """A slow-loris: sockets trickling a header never finish it. The server closes each with
+    408 after --header-timeout, and answers /health promptly all along."""
+    port = header_bounded_server.port
+    sockets = []
+    try:
+        for _ in range(300):
+            s = socket.create_connection(("127.0.0.1", port), timeout=30)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+            sockets.append(s)
+        started = time.monotonic()
+        worst = 0.0
+        while time.monotonic() - started < HEADER_TIMEOUT_S * 0.75:
+            for s in sockets[:50]:
+                s.sendall(b"a")  # a byte now and then: never a finished header
+            t0 = time.monotonic()
+            assert httpx.get(header_bounded_server.url + "/health", timeout=5).status_code == 200
+            worst = max(worst, time.monotonic() - t0)
+            time.sleep(0.1)
+        assert worst < 1.0, f"/health took {worst:.2f} s during the slow-loris"
+        for s in sockets:
+            s.settimeout(HEADER_TIMEOUT_S * 3)
+            assert _answer(s).startswith(b"HTTP/1.1 408"), "a slow sender was not cut off"
+    finally:
+        for s in sockets:
+            s.close()

@@ -136,6 +136,9 @@ class ContiguousKVCacheManager:
     enable_prefix_caching = False
     supports_forks = False
 
+    # No block-hash index: nothing for KV events to stream.
+    indexes_prefixes = False
+
     def __init__(self, config: CacheConfig, layout: ContiguousLayout, memory: RegionMemory | None):
         """`memory` None: no OS to ask (the simulator); the page arithmetic is the reading."""
         if config.enable_prefix_caching:

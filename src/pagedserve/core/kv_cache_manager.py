@@ -53,6 +53,9 @@ class KVCacheManager:
     # n > 1 children share their parent's blocks (copy-on-write).
     supports_forks = True
 
+    # A block-hash index that KV events (core/kv_events.py) can stream.
+    indexes_prefixes = True
+
     def __init__(self, config: CacheConfig):
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks

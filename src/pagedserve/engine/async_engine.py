@@ -142,10 +142,11 @@ class _Abort:
     request_id: str
 
 
-def _raiser(error: BaseException) -> Callable[[LLMEngine], None]:
-    def fail(_: LLMEngine) -> None:
-        raise error
-    return fail
+@dataclass(frozen=True, slots=True)
+class _Crash:
+    """End the engine thread with `error` (a tensor-parallel rank died while it idled)."""
+
+    error: BaseException
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,7 +265,7 @@ class AsyncEngine:
         if engine.tp is not None:
             # A tensor-parallel rank that dies while the engine idles ends the thread the
             # way a failed step does (the watcher calls this from its own thread).
-            engine.tp.on_failure = lambda error: self._commands.put(_Call(_raiser(error)))
+            engine.tp.on_failure = lambda error: self._commands.put(_Crash(error))
 
     def add_step_listener(self, listener: Callable[[StepStats], None]) -> None:
         """Call `listener` on the event loop after each delivery, like `on_step`."""
@@ -485,8 +486,15 @@ class AsyncEngine:
                         return
                     if command is _FRAME:
                         frame_due = True
+                    elif isinstance(command, _Crash):
+                        raise command.error
                     elif isinstance(command, _Call):
-                        command.fn(engine)
+                        # A command from the HTTP side (KV events, the dashboard's switches)
+                        # that raises is a bug in that command: it must not stop the engine.
+                        try:
+                            command.fn(engine)
+                        except Exception:
+                            logger.exception("a command on the engine thread failed; the engine carries on")
                     elif isinstance(command, _Add):
                         num_adds += 1
                         acks.append(self._thread_add(command.request, live))

@@ -35,6 +35,14 @@ class KVEventFeed:
         self._post = post
         self.active = False
 
+    @staticmethod
+    def unsupported_reason(engine: LLMEngine) -> str | None:
+        """Why this engine has no index to stream (None when it has one)."""
+        if not engine.scheduler.kv_cache.indexes_prefixes:
+            return ("KV events stream the paged layout's prefix-cache index; this server runs "
+                    "--kv-layout contiguous, which keeps none")
+        return None
+
     def sync(self, engine: LLMEngine) -> None:
         """Start recording if needed and post a snapshot; events pending before it are
         posted first, so a subscriber that takes the snapshot and what follows is exact."""

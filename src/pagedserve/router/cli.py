@@ -5,7 +5,9 @@ import argparse
 import os
 from typing import TYPE_CHECKING
 
+from ..config import parse_memory
 from ..entrypoints.openai.args import API_KEY_ENV
+from ..http.bounds import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_HEADER_BYTES, limited_http_protocol
 from .policies import POLICIES, CacheAwareConfig
 
 if TYPE_CHECKING:
@@ -41,6 +43,10 @@ def add_router_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None, help=f"require this key from clients (or set {API_KEY_ENV})")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--max-header-size", type=parse_memory, default=DEFAULT_MAX_HEADER_BYTES,
+                   help="a request whose header block is above this gets 431, unread (default 64KiB)")
+    g.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="seconds a connection gets to send a request's headers before 408 (default 15)")
 
 
 def build_replica_router(args: argparse.Namespace) -> FastAPI:
@@ -79,7 +85,8 @@ def cmd_router(args: argparse.Namespace) -> int:
         if args.api_key or args.backend_api_key:
             raise ValueError("api_key: the disaggregated router does not check or forward API keys yet")
         app = disagg_app_from_args(args)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                http=limited_http_protocol(args.max_header_size, args.header_timeout))
     return 0
 
 

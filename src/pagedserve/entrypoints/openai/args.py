@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from ...config import EngineConfig, parse_memory
+from ...http.bounds import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_HEADER_BYTES
 from ...sampling_params import MAX_LOGPROBS
 
 # The tool-call formats (tool_parsers.TOOL_PARSERS; named here so the CLI does not import the server).
@@ -30,6 +31,8 @@ class ServerConfig:
     max_n: int = 16
     max_logprobs: int = MAX_LOGPROBS
     max_request_body_size: int = 4 << 20
+    max_header_size: int = DEFAULT_MAX_HEADER_BYTES
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
     shutdown_timeout: float = 30.0
     uvicorn_log_level: str = "info"
     tool_call_parser: str | None = "hermes"  # None: requests with tools get a 400
@@ -40,11 +43,13 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("max_queued_requests", "max_n", "max_request_body_size"):
+        for name in ("max_queued_requests", "max_n", "max_request_body_size", "max_header_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
+        if not self.header_timeout > 0:
+            raise ValueError(f"header_timeout must be > 0 seconds, got {self.header_timeout}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -76,6 +81,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs, help="largest logprobs / top_logprobs")
     g.add_argument("--max-request-body-size", type=parse_memory, default=d.max_request_body_size,
                    help="bodies above this get 413 (default 4MiB)")
+    g.add_argument("--max-header-size", type=parse_memory, default=d.max_header_size,
+                   help="a request whose header block is above this gets 431, unread (default 64KiB)")
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout,
+                   help="seconds a connection gets to send a request's headers before 408 (default 15)")
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     g.add_argument("--uvicorn-log-level", default=d.uvicorn_log_level,
@@ -103,6 +112,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_n=args.max_n,
         max_logprobs=args.max_logprobs,
         max_request_body_size=args.max_request_body_size,
+        max_header_size=args.max_header_size,
+        header_timeout=args.header_timeout,
         shutdown_timeout=args.shutdown_timeout,
         uvicorn_log_level=args.uvicorn_log_level,
         disable_uvicorn_access_log=args.disable_uvicorn_access_log,

@@ -22,6 +22,7 @@ from starlette.responses import StreamingResponse
 
 from ...engine.async_engine import AsyncEngine, EngineDeadError
 from ...engine.kv_event_feed import KVEventBatch, KVEventFeed, KVSnapshot
+from .protocol import APIError
 
 # Messages a subscriber may have waiting before it is resynchronised with a snapshot.
 MAX_BACKLOG = 1024
@@ -110,9 +111,12 @@ class KVEventHub:
 
 def install_kv_events(app: FastAPI, engine: AsyncEngine) -> KVEventHub:
     hub = KVEventHub(engine)
+    unsupported = KVEventFeed.unsupported_reason(engine.engine)
 
     @app.get("/v1/kv_events", include_in_schema=False)
     async def kv_events() -> StreamingResponse:
+        if unsupported is not None:
+            raise APIError(400, unsupported)
         return StreamingResponse(hub.stream(hub.subscribe()), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

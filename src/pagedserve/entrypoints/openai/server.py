@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from ... import __version__
 from ...engine.async_engine import AsyncEngine, EngineDeadError
+from ...http.bounds import limited_http_protocol
 from ...engine.llm_engine import LLMEngine
 from .args import ServerConfig
 from .dashboard import install_dashboard
@@ -268,7 +269,8 @@ def run_server(config: ServerConfig) -> int:
                 engine.loaded.name, config.served_model_name or [engine.loaded.name], config.host, config.port,
                 async_engine.max_context_len, async_engine.kv_capacity_tokens)
     uv_config = uvicorn.Config(
-        app, host=config.host, port=config.port, loop="auto", http="auto", lifespan="on",
+        app, host=config.host, port=config.port, loop="auto", lifespan="on",
+        http=limited_http_protocol(config.max_header_size, config.header_timeout),
         log_level=config.uvicorn_log_level, access_log=not config.disable_uvicorn_access_log,
         # Only sockets still open after the drain are waited for; responses have ended by then.
         timeout_graceful_shutdown=5,
