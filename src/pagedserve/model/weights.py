@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import ModelConfig
+from .config import QTYPES, ModelConfig
 from .gguf_file import GGUFFile
-from .quant import BLOCK_BYTES, dequantize_blocks
+from .quant import BLOCK_BYTES, WIDENS_TO_Q8_0, dequantize_blocks, widen_to_q8_0
 
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -79,6 +79,9 @@ def hf_tensors_from_gguf(
             raise ValueError(f"unexpected tensor {t.name!r} in {gguf.path.name}")
         if t.qtype in keep_blocks and len(t.shape) == 2:
             w = np.array(t.raw, dtype=np.uint8).reshape(t.shape[0], -1)  # a copy: the map is read-only
+        elif t.qtype in WIDENS_TO_Q8_0 and QTYPES["q8_0"] in keep_blocks and len(t.shape) == 2:
+            w = widen_to_q8_0(torch.from_numpy(np.array(t.raw, dtype=np.uint8).reshape(t.shape[0], -1)),
+                              int(t.qtype)).numpy()
         else:
             w = t.to_float32()
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -164,7 +167,9 @@ def fuse_gguf_blocks(gguf: GGUFFile, config: ModelConfig) -> tuple[dict[str, tor
     its GGUF blocks (`--quantization gguf`), and those matrices' GGML types. A fused matrix
     whose parts differ in type is dequantised to fp32 (blocks of two formats cannot share
     one tensor)."""
-    types = {_hf_name_for_gguf(t.name): int(t.qtype) for t in gguf.tensors()}
+    # Q5_0 and IQ4_NL matrices arrive widened to Q8_0 (quant.widen_to_q8_0).
+    types = {_hf_name_for_gguf(t.name): QTYPES["q8_0"] if t.qtype in WIDENS_TO_Q8_0 else int(t.qtype)
+             for t in gguf.tensors()}
     hf = hf_tensors_from_gguf(gguf, config, keep_blocks=BLOCK_BYTES)
     qtypes: dict[str, int] = {}
     for fused, parts in fused_matrices(config, hf).items():
