@@ -64,7 +64,8 @@ def test_bench_serve_against_a_real_server(tmp_path, capsys):
         out = tmp_path / "result.json"
         rc = main(["bench", "serve", "--base-url", server.url, "--dataset-name", "random", "--num-prompts", "6",
                    "--input-len", "24", "--output-len", "4", "--range-ratio", "0", "--ignore-eos",
-                   "--goodput", "ttft:60000", "--percentiles", "50,90,99", "--no-progress", "--out", str(out)])
+                   "--goodput", "ttft:60000", "--percentiles", "50,90,99", "--no-progress", "--out", str(out),
+                   "--server-flags", "pagedserve serve --kv-cache-memory 64MiB"])
         chat_rc = main(["bench", "serve", "--base-url", server.url, "--endpoint", "/v1/chat/completions",
                         "--dataset-name", "random", "--num-prompts", "2", "--input-len", "12", "--output-len", "3",
                         "--range-ratio", "0", "--ignore-eos", "--no-progress", "--max-concurrency", "1",
@@ -81,6 +82,13 @@ def test_bench_serve_against_a_real_server(tmp_path, capsys):
     assert s["total_input_tokens"] == 6 * 24
     assert s["goodput_requests"] == 6
     assert all(r["output_tokens"] == 4 and r["chunk_times"] for r in result["requests"])
+    # Enough to rerun and compare it: the commit, the CPU, the server's flags.
+    from pagedserve.kernels import cpu_model_name
+
+    env = result["environment"]
+    assert env["cpu"] == cpu_model_name() and "avx2" in env["cpu_flags"]
+    assert env["server_flags"] == "pagedserve serve --kv-cache-memory 64MiB"
+    assert env["commit"] is None or len(env["commit"]) == 40
     chat = json.loads((tmp_path / "chat.json").read_text())["summary"]
     assert chat["successful_requests"] == 2 and chat["total_output_tokens"] == 6
     assert chat["peak_concurrency"] == 1

@@ -12,12 +12,6 @@ from pathlib import Path
 import httpx
 
 from .server_process import start_server
-from .test_server_disconnect import engine_gauges
-
-
-def engine_gauges_of(url: str) -> dict[str, float]:
-    with httpx.Client(base_url=url, timeout=10) as http:
-        return engine_gauges(http)
 
 SHUTDOWN_TIMEOUT_S = 3.0
 
@@ -50,19 +44,29 @@ def test_sigterm_drains_then_aborts_then_exits_0(server_logs):
                 elif line == "data: [DONE]":
                     long_events.append({"done": True})
 
+    short_started = threading.Event()
+
     def short_request():
-        body = {"prompt": "Quick:", "max_tokens": 8, "ignore_eos": True}
-        short_result.update(httpx.post(server.url + "/v1/completions", json=body, timeout=60).json())
+        # Streamed, so its first token says it is running: polling the gauges for two
+        # running requests lost the race to an 8-token request on a fast machine.
+        body = {"prompt": "Quick:", "max_tokens": 8, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    short_started.set()
+                    if event["choices"] and event["choices"][0]["finish_reason"]:
+                        short_result["finish_reason"] = event["choices"][0]["finish_reason"]
+                    if event.get("usage"):
+                        short_result["usage"] = event["usage"]
 
     threads = [threading.Thread(target=long_stream)]
     threads[0].start()
     assert first_token.wait(30)
     threads.append(threading.Thread(target=short_request))
     threads[1].start()
-    # Wait until the engine runs both (a fixed sleep lost this race on a loaded machine).
-    deadline = time.monotonic() + 30
-    while engine_gauges_of(server.url)["num_requests_running"] < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert short_started.wait(30)
     children_before = child_pids(server.proc.pid)
     sent = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
@@ -77,7 +81,7 @@ def test_sigterm_drains_then_aborts_then_exits_0(server_logs):
     exit_code = server.proc.wait(timeout=30)
     elapsed = time.monotonic() - sent
 
-    assert short_result["choices"][0]["finish_reason"] == "length"  # in flight, finished in time
+    assert short_result["finish_reason"] == "length"  # in flight, finished in time
     assert short_result["usage"]["completion_tokens"] == 8
     finishes = [e["choices"][0]["finish_reason"] for e in long_events if "choices" in e and e["choices"]]
     assert finishes[-1] == "abort" and finishes.count("abort") == 1  # cut at the timeout...

@@ -41,7 +41,11 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLO targets, KEY in ttft, tpot, e2el")
     s.add_argument("--percentiles", type=_percentiles, default=[50.0, 99.0])
-    s.add_argument("--out", help="write the summary and every request's record as JSON here")
+    s.add_argument("--out", help="write the summary and every request's record as JSON here, with the commit, "
+                                 "the CPU and --server-flags")
+    s.add_argument("--server-flags", default=None,
+                   help="how the server under test was started (e.g. 'pagedserve serve --quantization gguf'), "
+                        "recorded in --out")
     s.add_argument("--no-progress", action="store_true")
     add_dataset_args(s)
     s.set_defaults(func=cmd_bench_serve)
@@ -93,7 +97,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         print(f"first error: {failed[0]}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(serve.result_json(cfg, s, outcomes), f, indent=1)
+            json.dump(serve.result_json(cfg, s, outcomes, args.server_flags), f, indent=1)
     return 0
 
 

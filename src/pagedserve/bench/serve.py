@@ -14,9 +14,11 @@ import json
 import math
 import random
 import re
+import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import aiohttp
 from tqdm.auto import tqdm
@@ -251,8 +253,24 @@ def summary(outcomes: Sequence[Outcome], duration: float, peak: int, slo: SLO | 
     return s
 
 
-def result_json(cfg: ServeConfig, s: dict, outcomes: Sequence[Outcome]) -> dict:
-    return {"config": asdict(cfg), "summary": s,
+def environment(server_flags: str | None) -> dict:
+    """What a result needs to be rerun and compared: the commit of this checkout (None
+    outside git), the CPU and its ISA flags, and how the server was started (as the user
+    states it: the client cannot see a peer's flags)."""
+    from ..kernels import ISA_FLAGS, cpu_flags, cpu_model_name
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    flags = cpu_flags()
+    return {"commit": commit, "cpu": cpu_model_name(), "cpu_flags": [f for f in ISA_FLAGS if f in flags],
+            "server_flags": server_flags}
+
+
+def result_json(cfg: ServeConfig, s: dict, outcomes: Sequence[Outcome], server_flags: str | None = None) -> dict:
+    return {"config": asdict(cfg), "environment": environment(server_flags), "summary": s,
             "requests": [{"success": o.success, "error": o.error, "send_time": o.record.send_time,
                           "prompt_len": o.record.prompt_len, "requested_output_len": o.record.output_len,
                           "output_tokens": o.record.num_tokens if o.success else 0,
