@@ -9,7 +9,7 @@ prints medians and their ratio (torch / native: above 1 means native is faster).
 On a shared machine `--threads 1 --clock cpu` (this thread's CPU time) gives the
 steadiest ratios.
 
-attention: one layer's attention on SmolLM2-135M shapes (9 query heads, 3 KV heads,
+attention: one layer's attention (decodes, verification rows, prefill chunks) on SmolLM2-135M shapes (9 query heads, 3 KV heads,
 head_dim 64, block 16, fp32, shuffled block tables): NativePagedAttention.forward
 against CpuPagedAttention.forward, both with the step's plan already built (the
 runner builds it once for all 30 layers) and both writing the step's K/V. Also the
@@ -79,6 +79,13 @@ def attention_cases() -> dict[str, list[tuple[int, int]]]:
         "decode 4x4096": [(1, 4096)] * 4,
         "spec 16x(2..5) U[64,2048]": [(rnd.randint(2, 5), rnd.randint(64, 2048)) for _ in range(16)],
         "mixed 32 decodes + 256 after 1000": [(1, rnd.randint(64, 2048)) for _ in range(32)] + [(256, 1256)],
+        # Prefill chunks alone: since 2026-12-03 the native op takes them too (batch-invariant
+        # bits); the torch path is flash attention over the chunk plus the gathered context.
+        "prefill 256 from 0": [(256, 256)],
+        "prefill 256 after 1000": [(256, 1256)],
+        "prefill 512 after 1536": [(512, 2048)],
+        "prefill 2048 from 0": [(2048, 2048)],
+        "prefill 4x128 from 0": [(128, 128)] * 4,
     }
 
 

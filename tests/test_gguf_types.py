@@ -85,3 +85,17 @@ def test_a_mixed_file_runs_on_native_blocks_with_the_dense_models_tokens(mixed_g
     ours = [o.outputs[0].token_ids for o in make_llm(blocks).generate(prompts, greedy, use_tqdm=False)]
     theirs = [o.outputs[0].token_ids for o in make_llm(dense).generate(prompts, greedy, use_tqdm=False)]
     assert ours == theirs
+
+
+def test_the_start_up_log_says_which_path_each_matrix_takes(mixed_gguf, caplog):
+    import logging
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    with caplog.at_level(logging.INFO, logger="pagedserve.engine.llm_engine"):
+        LLMEngine(EngineConfig(model=str(mixed_gguf), kv_cache_memory="16MiB", max_model_len=256))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights: "))
+    # 30 layers: qkv, o, gate_up and the tied head on Q8_0 blocks; down on Q4_1.
+    assert line == "weights: 91 on Q8_0 blocks (fp32 arithmetic), 30 on Q4_1 blocks (fp32 arithmetic); " \
+                   "embedding on Q8_0 blocks", line

@@ -224,6 +224,7 @@ class LLMEngine:
             self.scheduler.config.max_num_batched_tokens,
             f"native ({native_isa()})" if self.kernels == "native" else self.kernels, self.runner.kv_caches[0].dtype,
         )
+        logger.info("weights: %s", self.loaded.model.describe_weights())
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks and the KV connector's threads (no-ops without

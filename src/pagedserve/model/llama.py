@@ -291,6 +291,24 @@ class LlamaModel(nn.Module):
         return [(f"layers.{i}.{n}", getattr(layer, n)) for i, layer in enumerate(self.layers) for n in names] + [
             ("lm_head", self.lm_head)]
 
+    def describe_weights(self) -> str:
+        """How many matrices take each path, e.g. "90 on Q8_0 blocks (fp32 arithmetic), 31
+        fp32 (oneDNN packed)": the start-up log says what a file's types became."""
+        from collections import Counter
+
+        from .quant import QTYPE_NAMES
+
+        def path(m: nn.Module) -> str:
+            if isinstance(m, QuantLinear):
+                return f"on {QTYPE_NAMES[m.qtype].upper()} blocks ({m.activations} arithmetic)"
+            if isinstance(m, Linear):
+                return "fp32 (oneDNN packed)" if m.weight is None else f"{m.weight.dtype} (torch)"
+            return type(m).__name__
+        counts = Counter(path(m) for _, m in self.named_linears())
+        embed = f"embedding on {QTYPE_NAMES[self.embed.qtype].upper()} blocks" if isinstance(self.embed, QuantEmbedding) \
+            else f"embedding {self.embed.weight.dtype}"
+        return ", ".join(f"{n} {p}" for p, n in counts.most_common()) + f"; {embed}"
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head over final hidden states: [R, hidden] -> [R, vocab]."""
         return self.lm_head(self.norm(hidden))

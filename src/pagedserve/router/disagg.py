@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import httpx
+import aiohttp
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -71,15 +71,17 @@ class DisaggRouter:
         self._prefill = itertools.cycle([u.rstrip("/") for u in config.prefill_urls])
         self._decode_urls = [u.rstrip("/") for u in config.decode_urls]
         self._decode = itertools.cycle(range(len(self._decode_urls)))
-        self.client: httpx.AsyncClient | None = None
+        self.client: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.config.timeout, connect=5.0),
-                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        # aiohttp, as the replica router (router/app.py): one client library for the router.
+        self.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                            timeout=aiohttp.ClientTimeout(total=self.config.timeout, sock_connect=5.0),
+                                            auto_decompress=False)
 
     async def close(self) -> None:
         if self.client is not None:
-            await self.client.aclose()
+            await self.client.close()
 
     # -- the two phases ------------------------------------------------------------------
 
@@ -119,38 +121,44 @@ class DisaggRouter:
             prefill_body.pop(key, None)
         url = next(self._prefill) + path
         try:
-            reply = await self.client.post(url, json=prefill_body, headers=headers)
-        except httpx.HTTPError as e:
+            async with self.client.post(url, json=prefill_body, headers=headers) as reply:
+                content = await reply.read()
+                status, content_type = reply.status, reply.headers.get("content-type")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             logger.warning("prefill instance %s failed (%s); the decode instance prefills", url, e)
             return {}
-        if 400 <= reply.status_code < 500:
-            return Response(reply.content, reply.status_code, media_type=reply.headers.get("content-type"))
-        if reply.status_code != 200:
-            logger.warning("prefill instance %s answered %d; the decode instance prefills", url, reply.status_code)
+        if 400 <= status < 500:
+            return Response(content, status, media_type=content_type)
+        if status != 200:
+            logger.warning("prefill instance %s answered %d; the decode instance prefills", url, status)
             return {}
-        return reply.json().get("kv_transfer_params") or {}
+        try:
+            return json.loads(content).get("kv_transfer_params") or {}
+        except (ValueError, AttributeError):
+            logger.warning("prefill instance %s answered no JSON object; the decode instance prefills", url)
+            return {}
 
-    async def _open_decode(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> httpx.Response | Response:
+    async def _open_decode(self, path: str, body: dict[str, Any],
+                           headers: dict[str, str]) -> aiohttp.ClientResponse | Response:
         """The decode instance's response, headers read and body not yet; the next instance
         when one cannot be reached."""
         for _ in range(len(self._decode_urls)):
             url = self._decode_urls[next(self._decode)] + path
-            req = self.client.build_request("POST", url, json=body, headers=headers)
             try:
-                return await self.client.send(req, stream=True)
-            except httpx.HTTPError as e:
+                return await self.client.post(url, json=body, headers=headers)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 logger.warning("decode instance %s failed: %s", url, e)
         params = body.get("kv_transfer_params")
         if params:
             await asyncio.to_thread(_release_remote, params)
         return _error(503, "no decode instance could be reached", "decode_unavailable")
 
-    def _relay(self, upstream: httpx.Response) -> Response:
+    def _relay(self, upstream: aiohttp.ClientResponse) -> Response:
         async def body() -> AsyncIterator[bytes]:
             try:
-                async for chunk in upstream.aiter_raw():
+                async for chunk in upstream.content.iter_any():
                     yield chunk
-            except httpx.HTTPError as e:
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 logger.warning("decode instance failed mid-response: %s", e)
                 if upstream.headers.get("content-type", "").startswith("text/event-stream"):
                     yield ("data: " + json.dumps({"error": {"message": "the decode instance failed mid-response",
@@ -158,10 +166,10 @@ class DisaggRouter:
                                                              "code": "decode_failed"}}) + "\n\n").encode()
             finally:
                 # Closing before the end (the client left) makes the decode instance abort.
-                await upstream.aclose()
+                upstream.close()
 
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS | {"content-encoding"}}
-        return StreamingResponse(body(), upstream.status_code, headers=headers)
+        return StreamingResponse(body(), upstream.status, headers=headers)
 
     # -- pass-through ---------------------------------------------------------------------
 
@@ -169,11 +177,11 @@ class DisaggRouter:
         """GET routes (models, health) from the first decode instance that answers."""
         for url in self._decode_urls:
             try:
-                reply = await self.client.get(url + request.url.path, headers={
-                    k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS})
-            except httpx.HTTPError:
+                async with self.client.get(url + request.url.path, headers={
+                        k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}) as reply:
+                    return Response(await reply.read(), reply.status, media_type=reply.headers.get("content-type"))
+            except (aiohttp.ClientError, asyncio.TimeoutError):
                 continue
-            return Response(reply.content, reply.status_code, media_type=reply.headers.get("content-type"))
         return _error(503, "no decode instance could be reached", "decode_unavailable")
 
 
