@@ -16,13 +16,15 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from fastapi import FastAPI
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, StreamingResponse
 from starlette.staticfiles import StaticFiles
 
 from ...engine.async_engine import AsyncEngine, StepStats
 from ...engine.dashboard_feed import DashboardFeed
-from .protocol import APIError
+from .openapi import body_responses, event_stream_responses, html_responses, request_body
+from .protocol import APIError, _Model, parse_body
 
 STATIC_DIR = Path(__file__).parent / "dashboard_static"
 # At most this many frames a second: enough to watch blocks come and go, and a
@@ -135,8 +137,17 @@ def _percentiles(samples: deque[tuple[float, float]]) -> dict[str, float] | None
     return {f"p{p}": round(values[round(last * p / 100)] * 1000, 2) for p in PERCENTILES}
 
 
-def install_dashboard(app: FastAPI, engine: AsyncEngine, model_name: str, show_prompts: bool) -> DashboardHub:
-    """Serve /dashboard (the page and its assets) and /dashboard/events (the stream)."""
+class SpeculationRequest(_Model):
+    enabled: bool
+
+
+class SpeculationResponse(BaseModel):
+    enabled: bool
+
+
+def install_dashboard(app: FastAPI, engine: AsyncEngine, model_name: str, show_prompts: bool) -> list[type[_Model]]:
+    """Serve /dashboard (the page and its assets) and /dashboard/events (the stream); returns
+    the routes' request models for the document. The hub is app.state.dashboard."""
     feed = DashboardFeed(show_prompts)
     llm = engine.engine
     spec = llm.config.speculative_config
@@ -152,28 +163,26 @@ def install_dashboard(app: FastAPI, engine: AsyncEngine, model_name: str, show_p
     engine.add_step_listener(hub.on_step)
     app.state.dashboard = hub
 
-    @app.get("/dashboard", include_in_schema=False)
+    @app.get("/dashboard", response_class=FileResponse, responses=html_responses("The live engine page."))
     async def dashboard_page() -> FileResponse:
         return FileResponse(STATIC_DIR / "index.html")
 
-    @app.get("/dashboard/events", include_in_schema=False)
+    @app.get("/dashboard/events", responses=event_stream_responses(
+        "The page's frames: the KV block map, steps, queues, one event per engine change."))
     async def dashboard_events() -> StreamingResponse:
         return StreamingResponse(hub.stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    @app.post("/dashboard/speculation", include_in_schema=False)
+    @app.post("/dashboard/speculation", openapi_extra=request_body(SpeculationRequest),
+              responses={**body_responses(SpeculationResponse)})
     async def set_speculation(request: Request) -> JSONResponse:
         """Pause or resume the configured proposer for every request (the playground's switch)."""
+        req = parse_body(await request.body(), SpeculationRequest)
         if spec is None:
             raise APIError(404, "speculative decoding is not configured (--speculative-config)")
-        try:
-            enabled = json.loads(await request.body())["enabled"]
-        except (ValueError, TypeError, KeyError):
-            enabled = None
-        if not isinstance(enabled, bool):
-            raise APIError(400, 'send {"enabled": true} or {"enabled": false}', param="enabled")
-        engine.call_on_thread(lambda llm: setattr(llm, "speculate", enabled))
-        return JSONResponse({"enabled": enabled})
+        engine.call_on_thread(lambda llm: setattr(llm, "speculate", req.enabled))
+        return JSONResponse({"enabled": req.enabled})
 
+    # The page's own files (script, styles): not part of the API, so not in the document.
     app.mount("/dashboard/static", StaticFiles(directory=STATIC_DIR), name="dashboard-static")
-    return hub
+    return [SpeculationRequest]

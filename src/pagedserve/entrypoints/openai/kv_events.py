@@ -22,6 +22,7 @@ from starlette.responses import StreamingResponse
 
 from ...engine.async_engine import AsyncEngine, EngineDeadError
 from ...engine.kv_event_feed import KVEventBatch, KVEventFeed, KVSnapshot
+from .openapi import event_stream_responses
 from .protocol import APIError
 
 # Messages a subscriber may have waiting before it is resynchronised with a snapshot.
@@ -113,7 +114,9 @@ def install_kv_events(app: FastAPI, engine: AsyncEngine) -> KVEventHub:
     hub = KVEventHub(engine)
     unsupported = KVEventFeed.unsupported_reason(engine.engine)
 
-    @app.get("/v1/kv_events", include_in_schema=False)
+    @app.get("/v1/kv_events", responses=event_stream_responses(
+        "The prefix-cache index: a snapshot event, then the index's changes per engine step.",
+        {400: "This engine shape keeps no index (--kv-layout contiguous)."}))
     async def kv_events() -> StreamingResponse:
         if unsupported is not None:
             raise APIError(400, unsupported)

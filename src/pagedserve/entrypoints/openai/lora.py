@@ -18,6 +18,7 @@ from starlette.responses import PlainTextResponse
 from ...engine.async_engine import AsyncEngine, EngineDeadError
 from ...engine.llm_engine import LLMEngine
 from ...engine.lora_registry import LoRAModule, UnknownLoRAError
+from .openapi import request_body, text_body_responses
 from .protocol import APIError, _Model, parse_body
 from .served_models import ServedModels
 from .serving import engine_error
@@ -33,11 +34,13 @@ class UnloadLoRAAdapterRequest(_Model):
     lora_path: str | None = None  # accepted as vLLM does; the name decides
 
 
-def install_lora_routes(app: FastAPI, engine: AsyncEngine, models: ServedModels) -> None:
+def install_lora_routes(app: FastAPI, engine: AsyncEngine, models: ServedModels) -> list[type[_Model]]:
     """The run-time adapter routes (only on a server started with --enable-lora; the API-key
-    middleware guards them like every route)."""
+    middleware guards them like every route); returns their request models for the document."""
 
-    @app.post("/v1/load_lora_adapter", include_in_schema=False)
+    @app.post("/v1/load_lora_adapter", openapi_extra=request_body(LoadLoRAAdapterRequest),
+              responses=text_body_responses("Loaded.", {400: "A bad name, path or adapter; `param` says which.",
+                                                        404: "The adapter names a model this server lacks."}))
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         req = parse_body(await request.body(), LoadLoRAAdapterRequest)
         if req.lora_name in models.base_names or req.lora_name in models.adapters:
@@ -46,7 +49,9 @@ def install_lora_routes(app: FastAPI, engine: AsyncEngine, models: ServedModels)
         models.adapters[module.name] = module
         return PlainTextResponse(f"Success: LoRA adapter '{module.name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter", include_in_schema=False)
+    @app.post("/v1/unload_lora_adapter", openapi_extra=request_body(UnloadLoRAAdapterRequest),
+              responses=text_body_responses("Unloaded.", {400: "The body is invalid.",
+                                                          404: "No adapter of that name is loaded."}))
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
         req = parse_body(await request.body(), UnloadLoRAAdapterRequest)
         if req.lora_name not in models.adapters:
@@ -55,6 +60,8 @@ def install_lora_routes(app: FastAPI, engine: AsyncEngine, models: ServedModels)
         await _on_engine(engine, lambda e: e.remove_lora(req.lora_name), "lora_name")
         del models.adapters[req.lora_name]
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+    return [LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest]
 
 
 async def _on_engine(engine: AsyncEngine, fn: Callable[[LLMEngine], LoRAModule], param: str) -> LoRAModule:

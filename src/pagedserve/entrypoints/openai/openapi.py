@@ -277,10 +277,45 @@ def get_responses(model: type[BaseModel] | None = None, description: str = "Succ
 STREAM_CHUNKS: tuple[type[BaseModel], ...] = (CompletionChunk, ChatCompletionChunk)
 
 
-def build_openapi(app: FastAPI) -> dict[str, Any]:
-    """The whole document: FastAPI's routes and responses, plus the request models."""
+def event_stream_responses(description: str, errors: dict[int, str] | None = None) -> dict[int | str, dict[str, Any]]:
+    """A GET route answering Server-Sent Events whose data is JSON (the KV event stream, the
+    dashboard's frames): each event described, its payload an open object."""
+    event = {"type": "object", "required": ["data"], "properties": {
+        "event": {"type": "string"}, "data": {"type": "string", "contentMediaType": "application/json"}}}
+    return {200: {"description": description, "content": {"text/event-stream": {"schema": event}}},
+            **_errors({**(errors or {}), **_ERRORS})}
+
+
+def responses_api_responses() -> dict[int | str, dict[str, Any]]:
+    """POST /v1/responses: a response object, or with stream=true its typed events
+    (`event: response.created` ... `response.completed`), each event's data a JSON object."""
+    event = {"type": "object", "required": ["event", "data"], "properties": {
+        "event": {"type": "string"}, "data": {"type": "string", "contentMediaType": "application/json"}}}
+    body = {"type": "object", "required": ["id", "object", "status", "output"], "properties": {
+        "id": {"type": "string"}, "object": {"const": "response"}, "status": {"type": "string"},
+        "output": {"type": "array"}}}
+    return {200: {"description": "The response; with stream=true, its events.",
+                  "content": {"application/json": {"schema": body}, "text/event-stream": {"schema": event}}},
+            **_errors({**_BODY_ERRORS, **_ERRORS, 429: "Too many requests are waiting; retry after Retry-After s."})}
+
+
+def html_responses(description: str) -> dict[int | str, dict[str, Any]]:
+    return {200: {"description": description, "content": {"text/html": {"schema": {"type": "string"}}}},
+            **_errors(_ERRORS)}
+
+
+def text_body_responses(description: str, errors: dict[int, str]) -> dict[int | str, dict[str, Any]]:
+    """A POST route that parses a JSON body and answers plain text (vLLM's LoRA routes do)."""
+    return {200: {"description": description, "content": {"text/plain": {"schema": {"type": "string"}}}},
+            **_errors({**errors, **_ERRORS})}
+
+
+def build_openapi(app: FastAPI, request_models: tuple[type[BaseModel], ...] = ()) -> dict[str, Any]:
+    """The whole document: FastAPI's routes and responses, plus the request models (those of
+    the core routes and `request_models`, the ones the optional routes installed)."""
     document = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-    models = [(m, "validation") for m in REQUEST_MODELS] + [(m, "serialization") for m in STREAM_CHUNKS]
+    models = [(m, "validation") for m in (*REQUEST_MODELS, *request_models)] + [
+        (m, "serialization") for m in STREAM_CHUNKS]
     _, defs = models_json_schema(models, ref_template=_REF)
     document.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
     return document

@@ -39,14 +39,14 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .middleware import APIKeyMiddleware, BodyLimitMiddleware
 from .openapi import ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse, \
     DetokenizeResponse, ModelList, TokenizeResponse, TokenizerInfoResponse, VersionResponse, body_responses, \
-    build_openapi, generation_responses, get_responses, request_body
+    build_openapi, generation_responses, get_responses, request_body, responses_api_responses
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestLimits, \
     TokenizeRequest, check_token_ids, max_prompt_chars, parse_body, validation_error
 from .served_models import ServedModels
 from .serving import Admission, OpenAIServing, engine_error
 from .serving_chat import ChatServing
 from .serving_completions import CompletionServing
-from .serving_responses import ResponsesServing
+from .serving_responses import ResponsesRequest, ResponsesServing
 from .tokenizer_info import tokenizer_info
 from .tool_parsers import TOOL_PARSERS
 from .tools import template_messages
@@ -103,8 +103,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async def create_chat_completion(request: Request) -> Response:
         return await chat.create(request)
 
-    # Not yet in the OpenAPI document (its request and event models are not written out there).
-    @app.post("/v1/responses", include_in_schema=False)
+    @app.post("/v1/responses", openapi_extra=request_body(ResponsesRequest), responses=responses_api_responses())
     async def create_response(request: Request) -> Response:
         return await responses.create(request)
 
@@ -156,11 +155,12 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         return JSONResponse({"version": __version__})
 
     install_kv_events(app, async_engine)
+    request_models: list[type] = [ResponsesRequest]
     if engine.config.enable_lora:
-        install_lora_routes(app, async_engine, models)
+        request_models += install_lora_routes(app, async_engine, models)
     if config.dashboard:
-        install_dashboard(app, async_engine, model_names[0], config.dashboard_show_prompts)
-    document = build_openapi(app)
+        request_models += install_dashboard(app, async_engine, model_names[0], config.dashboard_show_prompts)
+    document = build_openapi(app, tuple(request_models))
     app.openapi = lambda: document  # type: ignore[method-assign]  # built once; the routes are fixed
     _add_error_handlers(app)
     # Added innermost first: requests pass CORS, then the key check, then the body limit.
