@@ -38,6 +38,10 @@ PROBES = [
 SHAPES = {
     "contiguous": ("--kv-layout", "contiguous"),
     "speculative": ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'),
+    "lora": ("--enable-lora",),
+    "tp3": ("--tensor-parallel-size", "3"),  # SmolLM2 has 9 heads: 3 ranks
+    "pd-producer": ("--kv-transfer-config", '{"kv_connector": "PagedServeConnector", "kv_role": "kv_producer"}'),
+    "pd-consumer": ("--kv-transfer-config", '{"kv_connector": "PagedServeConnector", "kv_role": "kv_consumer"}'),
 }
 
 
