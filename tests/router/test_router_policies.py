@@ -65,3 +65,26 @@ def test_backend_view_follows_snapshot_events_and_routing():
     assert b.matched_blocks(h) == 3
     b.mark_down("test")
     assert not b.healthy and b.matched_blocks(h) == 0
+
+
+def test_both_routers_answer_every_error_in_the_api_shape():
+    """The server's error table (http/errors.py) is the routers' too: a route that raises
+    is a 500 in the error shape (the replica router once answered plain text), an unknown
+    path a 404 in it."""
+    from starlette.testclient import TestClient
+
+    from pagedserve.router.app import RouterConfig, build_router_app
+    from pagedserve.router.disagg import DisaggConfig, build_disagg_app
+
+    def boom(request):
+        raise RuntimeError("a bug")
+
+    for app in (build_router_app(RouterConfig(["http://127.0.0.1:9"], policy="round_robin"), None),
+                build_disagg_app(DisaggConfig(["http://127.0.0.1:9"], ["http://127.0.0.1:9"]))):
+        app.add_route("/boom", boom)
+        client = TestClient(app, raise_server_exceptions=False)
+        reply = client.get("/boom")
+        assert reply.status_code == 500 and reply.json()["error"]["type"] == "server_error"
+        assert "a bug" not in reply.text
+        missing = client.get("/no/such/route")
+        assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 import aiohttp
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from ..entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from ..entrypoints.openai.protocol import APIError, validation_error
 from ..entrypoints.openai.disconnect import sse, until_disconnected
+from ..http.errors import install_error_handlers
 from .backends import Backend, BackendMonitor
 from .metrics import RouterMetrics
 from .policies import CacheAwareConfig, Candidate, Picker
@@ -230,17 +230,7 @@ def build_router_app(config: RouterConfig, keyer: PromptKeyer | None) -> FastAPI
     async def metrics() -> Response:
         return router.metrics.response()
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def request_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
+    install_error_handlers(app, {RequestValidationError: validation_error})
 
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_size)
     if config.api_key:

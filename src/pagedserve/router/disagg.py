@@ -36,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..http.errors import APIError, install_error_handlers
 from ..kv_transfer.frame import Frame, Kind, send_frame
 
 logger = logging.getLogger(__name__)
@@ -46,8 +47,7 @@ _HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "ke
 
 
 def _error(status: int, message: str, code: str) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
+    return APIError(status, message, code=code).response()
 
 
 @dataclass
@@ -231,6 +231,7 @@ def build_disagg_app(config: DisaggConfig) -> Starlette:
             await router.close()
 
     app = Starlette(routes=routes, lifespan=lifespan)
+    install_error_handlers(app, {})
     app.state.router = router
     return app
 

@@ -16,9 +16,9 @@ from collections.abc import Iterable
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, WithJsonSchema
-from starlette.responses import JSONResponse
 
 from ...core.validation import is_int
+from ...http.errors import APIError
 from ...sampling_params import MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGPROBS, SamplingParams
 from ...structured_output.spec import StructuredOutputs
 
@@ -31,39 +31,6 @@ MAX_CHOICES = 1024
 # A constraint's text (schema, regex, grammar, choices) is compiled on every cache miss;
 # beyond this size it is refused before compiling (the compile timeout catches the rest).
 MAX_CONSTRAINT_CHARS = 64 * 1024
-_MAX_MESSAGE_CHARS = 1000
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "server_error",
-}
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message[:_MAX_MESSAGE_CHARS]
-        self.param = param
-        self.code = code
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
 def bad_request(error: ValueError | str, param: str | None = None) -> APIError:
     """A 400 from a ValueError; `param` defaults to the message's leading field name."""
     message = str(error)

@@ -14,23 +14,22 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
-from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from ... import __version__
 from ...engine.async_engine import AsyncEngine, EngineDeadError
-from ...http.bounds import limited_http_protocol
 from ...engine.llm_engine import LLMEngine
+from ...http.bounds import limited_http_protocol
+from ...http.errors import install_error_handlers
 from .args import ServerConfig
 from .dashboard import install_dashboard
 from .kv_events import install_kv_events
@@ -162,7 +161,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         request_models += install_dashboard(app, async_engine, model_names[0], config.dashboard_show_prompts)
     document = build_openapi(app, tuple(request_models))
     app.openapi = lambda: document  # type: ignore[method-assign]  # built once; the routes are fixed
-    _add_error_handlers(app)
+    install_error_handlers(app, {RequestValidationError: validation_error, EngineDeadError: engine_error})
     # Added innermost first: requests pass CORS, then the key check, then the body limit.
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_size)
     if config.api_key:
@@ -171,33 +170,6 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials=False)
     return app
-
-
-def _http_error(exc: StarletteHTTPException) -> APIError:
-    return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
-
-
-# Every error a route can raise, as the OpenAI error shape.
-_AS_API_ERROR: dict[type[Exception], Callable[[Any], APIError]] = {
-    APIError: lambda exc: exc,
-    RequestValidationError: validation_error,
-    StarletteHTTPException: _http_error,
-    EngineDeadError: engine_error,
-}
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    for exc_type, as_api_error in _AS_API_ERROR.items():
-        async def handler(request: Request, exc: Exception, as_api_error=as_api_error) -> JSONResponse:
-            return as_api_error(exc).response()
-
-        app.add_exception_handler(exc_type, handler)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        # Details go to the log, never to the client.
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, "internal server error").response()
 
 
 async def drain(app: FastAPI, timeout: float, *, skip_wait: asyncio.Event) -> None:
