@@ -119,7 +119,7 @@ def test_q8_0_close_to_fp32() -> None:
 
 
 @pytest.mark.parametrize("quantization", [
-    "q8_0", "gguf", pytest.param("q4_0", marks=pytest.mark.slow), pytest.param("q4_1", marks=pytest.mark.slow)])
+    "q8_0", "gguf", "q4_0", "q4_1"])
 def test_engine_runs_each_quantization(quantization: str) -> None:
     engine = LLMEngine(EngineConfig(quantization=quantization, kv_cache_memory="64MiB", max_num_batched_tokens=64, max_num_seqs=8))
     assert engine.kernels == "native"
@@ -134,3 +134,18 @@ def test_engine_runs_each_quantization(quantization: str) -> None:
     assert sorted(outputs) == sorted(ids) and all(len(o.token_ids) == 8 for o in outputs.values())
     if quantization in ("q8_0", "gguf"):  # q4_0 drifts from fp32's continuation (docs/benchmarks.md)
         assert "Paris" in outputs[ids[0]].text
+
+
+@pytest.mark.parametrize("quantization,max_rel,min_top1", [("q4_1", 0.04, 0.93), ("q4_0", 0.35, 0.5)])
+def test_q4_quantised_at_load_against_fp32(quantization, max_rel, min_top1) -> None:
+    """q4_0 / q4_1 quantise the fp32 weights at load. Measured 2026-12-03 (AMD EPYC Zen 5)
+    over the held-in prompts: q4_1 median relative logit error 2.3%, teacher-forced top-1
+    115/119 (SmolLM2's weights are Q4_1 already: re-encoded nearly exactly); q4_0 25.1% and
+    73/119 (no min: the shipped blocks' offsets are lost; perplexity 22.3 vs 16.5,
+    docs/benchmarks.md)."""
+    fp32, quantised = load_model(), load_model(quantization=quantization)
+    for loaded in (fp32, quantised):
+        loaded.model.set_kernels("native")
+    rel, top1 = _agreement(fp32, quantised)
+    assert rel < max_rel, rel
+    assert top1 >= min_top1, top1

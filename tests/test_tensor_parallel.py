@@ -223,6 +223,10 @@ class TestSmolLM2AtTP3:
 
     def test_greedy_and_logprobs_match_tp1(self, tp3, tp1, reference_prompts):
         assert tp3.engine.runner.kv_caches[0].shape[-2] == 1  # one of the 3 KV heads per rank
+        # Every rank resolved --kernels on its own and runs the native ones (it says so at start).
+        from pagedserve.kernels import kernel_report
+
+        assert tp3.engine.tp.rank_kernels == [kernel_report("native")] * 3
         _assert_close_to_tp1(tp3, tp1, reference_prompts)
 
     def test_same_tokens_alone_and_in_a_batch(self, tp3):

@@ -58,7 +58,6 @@ def test_a_crashing_step_fails_its_requests_with_500_and_the_server_exits_1(serv
     assert "fault injected into forward step" in log and "exit code 1" in log
 
 
-@pytest.mark.slow
 def test_sigkill_then_restart_serves_again(server_logs):
     server = start_server(server_logs)
     first = threading.Event()

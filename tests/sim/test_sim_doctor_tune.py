@@ -153,18 +153,21 @@ def test_flags_of_a_latency_target_configuration():
     assert budget < engine_options(ServeConfig(**{**cfg.__dict__, "itl_target_ms": 80.0}))["max_num_batched_tokens"]
 
 
-@pytest.mark.slow
-def test_tuned_and_default_configurations_run_on_the_real_engine():
+@pytest.mark.parametrize("num_requests,max_evals", [(4, 4), pytest.param(8, 12, marks=pytest.mark.slow)],
+                         ids=["small", "full"])
+def test_tuned_and_default_configurations_run_on_the_real_engine(num_requests, max_evals):
     from pagedserve.engine.llm import LLM
     from pagedserve.sampling_params import SamplingParams
     from pagedserve.sim.twin import TWIN_MODEL, TWIN_VOCAB
 
-    requests = random_dataset(8, 64, 12, 0.5, vocab_size=TWIN_VOCAB, seed=0)
+    requests = random_dataset(num_requests, 64, 12, 0.5, vocab_size=TWIN_VOCAB, seed=0)
     base = ServeConfig(model=TWIN_MODEL, hardware="l40s", max_model_len=2048)
-    result = tune(base, requests, Objective(itl_target_ms=20.0), max_evals=12)
+    result = tune(base, requests, Objective(itl_target_ms=20.0), max_evals=max_evals)
     produced = {}
     for name, cfg in (("default", result.default.config), ("tuned", result.best.config)):
-        llm = LLM(**engine_options(cfg))
+        # A small pool: what the tuner chose (seats, budget, block size, caching) is what runs;
+        # a pool sized by free RAM would cost seconds of page faults per engine.
+        llm = LLM(**{**engine_options(cfg), "kv_cache_memory": "64MiB"})
         assert llm.engine.scheduler.config.max_num_seqs == cfg.max_num_seqs
         params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0) for r in requests]
         outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from ..config import EngineConfig
+from ..kernels import kernel_report
 from ..model.loader import LoadedModel, resolve_model
 from ..worker.model_runner import StepInputs
 from . import step_message
@@ -89,10 +90,12 @@ class TensorParallelExecutor:
             raise result[0]
         return result[0]
 
-    def start(self, num_blocks: int, block_size: int, kv_cache_dtype: str) -> None:
-        """Tell every rank the KV pool's size; they allocate their shard of it."""
+    def start(self, num_blocks: int, block_size: int, kv_cache_dtype: str, kernels: str) -> None:
+        """Tell every rank the KV pool's size; they allocate their shard of it and report the
+        kernels they run (`rank_kernels`: each rank resolves --kernels on its own CPU)."""
         self._check()
         step_message.send_init(self.group, InitInfo.of(num_blocks, block_size, kv_cache_dtype, self.loaded.config))
+        self.rank_kernels: list[str] = self.group.all_gather_objects(kernel_report(kernels))
 
     def run_step(self, inputs: StepInputs | None, copies: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Broadcast one step (ModelRunner.execute calls this before its own forward)."""

@@ -65,6 +65,12 @@ class TPGroup:
             out += p
         return out
 
+    def all_gather_objects(self, value: object) -> list[object]:
+        """Every rank's `value`, in rank order, on every rank (small picklable values)."""
+        out: list[object] = [None] * self.size
+        dist.all_gather_object(out, value, group=self.compute)
+        return out
+
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0: every rank's `x` laid side by side along the last dim; others: `x`."""
         x = x.contiguous()

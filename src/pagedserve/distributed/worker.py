@@ -15,7 +15,7 @@ import torch
 
 from ..attention.selector import default_backend_name, get_backend
 from ..config import EngineConfig
-from ..kernels import resolve_kernels
+from ..kernels import kernel_report, resolve_kernels
 from ..worker.kv_cache import allocate_kv_caches, copy_blocks, kv_cache_torch_dtype
 from . import step_message
 from .group import TPGroup
@@ -64,6 +64,7 @@ def serve_rank(config: EngineConfig, rank: int, init_method: str) -> None:
         raise ValueError(f"rank {group.rank}: expected INIT first, got {kind.name}")
     assert isinstance(info, InitInfo)
     info.check_model(loaded.config)
+    group.all_gather_objects(kernel_report(kernels))  # rank 0 says what every rank runs
     kv_caches = allocate_kv_caches(model, info.num_blocks, info.block_size, kv_cache_torch_dtype(info.kv_cache_dtype))
     logger.info("rank %d of %d ready: %d KV blocks of %d tokens", group.rank, group.size, info.num_blocks,
                 info.block_size)

@@ -24,7 +24,7 @@ from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler
 from ..core.step_budget import PromptSupply, StepBudget
 from ..distributed.executor import TensorParallelExecutor
-from ..kernels import native_isa, resolve_kernels
+from ..kernels import kernel_report, resolve_kernels
 from ..kv_transfer.base import KVConnectorWorker
 from ..kv_transfer.factory import make_kv_connector_worker
 from ..model.config import ModelConfig
@@ -179,7 +179,7 @@ class LLMEngine:
         plan = _plan_kv_cache(config, self.loaded.model.config, draft, pool,
                               kv_dtype_bytes(config.kv_cache_dtype, placement.dtype))
         if self.tp is not None:
-            self.tp.start(plan.num_blocks, config.block_size, config.kv_cache_dtype)
+            self.tp.start(plan.num_blocks, config.block_size, config.kv_cache_dtype, self.kernels)
         lora_slots = (LoRASlots(mc, config.max_loras, config.max_lora_rank, native=self.kernels == "native")
                       if config.enable_lora else None)
         sched_config = config.scheduler_config(self.max_model_len)
@@ -222,7 +222,8 @@ class LLMEngine:
             self.loaded.name, time.perf_counter() - start, plan.num_blocks * plan.bytes_per_block / 2**30,
             plan.num_blocks, config.block_size, plan.num_blocks * config.block_size, self.max_model_len,
             self.scheduler.config.max_num_batched_tokens,
-            f"native ({native_isa()})" if self.kernels == "native" else self.kernels, self.runner.kv_caches[0].dtype,
+            kernel_report(self.kernels) if self.tp is None else ", ".join(self.tp.rank_kernels),
+            self.runner.kv_caches[0].dtype,
         )
         logger.info("weights: %s", self.loaded.model.describe_weights())
 

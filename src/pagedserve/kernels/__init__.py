@@ -96,6 +96,12 @@ def native_paths() -> NativePaths:
     return NativePaths(tuple(ops.isa_paths_all()), tuple(ops.isa_paths_available()), tuple(ops.isa_paths_taken()))
 
 
+def kernel_report(kernels: str) -> str:
+    """What a process runs, for logs and the tensor-parallel ranks' report: "torch", or
+    "native (<widest ISA>)"."""
+    return f"native ({native_isa()})" if kernels == "native" else kernels
+
+
 def resolve_kernels(choice: str | None) -> str:
     """"native" or "torch" for a `--kernels` value: auto takes native where it can run;
     asking for native where it cannot is an error that says why."""
