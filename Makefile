@@ -47,7 +47,7 @@ FUZZ_EXAMPLES ?= 10000
 FUZZ_WORKERS ?= 3
 FUZZ_SECONDS ?= 600
 fuzz: setup
-	$(BIN)/python -m tests.server.api_fuzz --examples $(FUZZ_EXAMPLES) --workers $(FUZZ_WORKERS) --out fuzz-results/api.json
+	$(BIN)/python -m tests.server.api_fuzz --examples $(FUZZ_EXAMPLES) --workers $(FUZZ_WORKERS) --shapes all --out fuzz-results/api.json
 	mkdir -p fuzz-results/gguf-corpus
 	$(BIN)/python tests/atheris_gguf.py -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 -timeout=10 \
 		-artifact_prefix=fuzz-results/ fuzz-results/gguf-corpus > fuzz-results/gguf.log 2>&1; \

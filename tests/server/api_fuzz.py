@@ -9,7 +9,7 @@ operation come back so a run can report what it sent and what came back.
 The default test run uses it with a few hundred cases per operation
 (test_server_openapi.py); `make fuzz` runs it as a script with 10,000:
 
-    python -m tests.server.api_fuzz --examples 10000 --out fuzz-results/api.json
+    python -m tests.server.api_fuzz --examples 10000 --shapes all --out fuzz-results/api.json
 """
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ def summary(run: OperationRun) -> str:
 
 
 def main() -> int:
-    from .server_process import start_server
+    from .server_process import ENGINE_SHAPES, start_server
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", type=int, default=10_000, help="cases per operation and mode")
@@ -149,28 +149,35 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("fuzz-results/api.json"))
     parser.add_argument("--workers", type=int, default=1,
                         help="client processes at once, each on its own shard of every operation's cases")
+    parser.add_argument("--shapes", default="default",
+                        help="comma-separated engine shapes to start a server in and fuzz, or 'all': default, "
+                             + ", ".join(ENGINE_SHAPES))
     args = parser.parse_args()
+    shapes = ["default", *ENGINE_SHAPES] if args.shapes == "all" else args.shapes.split(",")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    server = start_server(args.out.parent, *FUZZ_SERVER_FLAGS)
-    try:
-        runs = (fuzz_parallel(server.url, args.examples, args.workers, args.seed) if args.workers > 1
-                else fuzz_all(server.url, args.examples, args.seed))
-        healthy = server.proc.poll() is None
-    finally:
-        exit_code = server.stop()
-    report = {
-        "examples_per_operation_and_mode": args.examples,
-        "workers": args.workers,
-        "server_flags": list(FUZZ_SERVER_FLAGS),
-        "server_alive_after": healthy,
-        "server_exit_code": exit_code,
-        "operations": [{"operation": r.label, "mode": r.mode, "cases": r.cases, "seconds": round(r.seconds, 1),
-                        "statuses": {str(k): v for k, v in sorted(r.statuses.items())}, "failures": r.failures}
-                       for r in runs],
-    }
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    report: dict = {"examples_per_operation_and_mode": args.examples, "workers": args.workers, "shapes": {}}
+    ok = True
+    for shape in shapes:
+        flags = (*FUZZ_SERVER_FLAGS, *ENGINE_SHAPES.get(shape, ()))
+        server = start_server(args.out.parent, *flags)
+        try:
+            runs = (fuzz_parallel(server.url, args.examples, args.workers, args.seed) if args.workers > 1
+                    else fuzz_all(server.url, args.examples, args.seed))
+            healthy = server.proc.poll() is None
+        finally:
+            exit_code = server.stop()
+        ok = ok and healthy and exit_code == 0 and not any(r.failures for r in runs)
+        report["shapes"][shape] = {
+            "server_flags": list(flags),
+            "server_alive_after": healthy,
+            "server_exit_code": exit_code,
+            "operations": [{"operation": r.label, "mode": r.mode, "cases": r.cases, "seconds": round(r.seconds, 1),
+                            "statuses": {str(k): v for k, v in sorted(r.statuses.items())}, "failures": r.failures}
+                           for r in runs],
+        }
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
-    return 0 if healthy and exit_code == 0 and not any(r.failures for r in runs) else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

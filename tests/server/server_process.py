@@ -13,6 +13,16 @@ from pathlib import Path
 import httpx
 
 SMALL_SERVER_FLAGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "1024")
+# Every engine shape a server can be started in beyond the default, as its flags: the
+# route x shape matrix (test_server_shapes.py) and `make fuzz` start one server of each.
+ENGINE_SHAPES = {
+    "contiguous": ("--kv-layout", "contiguous"),
+    "speculative": ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'),
+    "lora": ("--enable-lora",),
+    "tp3": ("--tensor-parallel-size", "3"),  # SmolLM2 has 9 heads: 3 ranks
+    "pd-producer": ("--kv-transfer-config", '{"kv_connector": "PagedServeConnector", "kv_role": "kv_producer"}'),
+    "pd-consumer": ("--kv-transfer-config", '{"kv_connector": "PagedServeConnector", "kv_role": "kv_consumer"}'),
+}
 STARTUP_TIMEOUT_S = 120.0
 
 

@@ -11,9 +11,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from .server_process import ServerProcess, start_server
+from .api_fuzz import FUZZ_SERVER_FLAGS, UNFUZZED, fuzz_operation, load_schema
+from .server_process import ENGINE_SHAPES, ServerProcess, start_server
 
 MODEL = "SmolLM2-135M-Instruct"
+FUZZ_EXAMPLES = 3
 # (method, path, JSON body) for every route; streams are read for their first bytes.
 PROBES = [
     ("GET", "/health", None),
@@ -35,19 +37,13 @@ PROBES = [
     ("POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/nonexistent"}),
     ("POST", "/v1/unload_lora_adapter", {"lora_name": "x"}),
 ]
-SHAPES = {
-    "contiguous": ("--kv-layout", "contiguous"),
-    "speculative": ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'),
-    "lora": ("--enable-lora",),
-    "tp3": ("--tensor-parallel-size", "3"),  # SmolLM2 has 9 heads: 3 ranks
-    "pd-producer": ("--kv-transfer-config", '{"kv_connector": "PagedServeConnector", "kv_role": "kv_producer"}'),
-    "pd-consumer": ("--kv-transfer-config", '{"kv_connector": "PagedServeConnector", "kv_role": "kv_consumer"}'),
-}
+SHAPES = ENGINE_SHAPES
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def shaped_server(request, server_logs) -> Iterator[ServerProcess]:
-    proc = start_server(server_logs, *SHAPES[request.param])
+    # The fuzzing flags: a 40-token context keeps every generated request short.
+    proc = start_server(server_logs, *FUZZ_SERVER_FLAGS, *SHAPES[request.param])
     yield proc
     proc.stop()
 
@@ -59,6 +55,18 @@ def probe(client: httpx.Client, method: str, path: str, body: dict | None) -> tu
 
 
 def test_every_route_answers_without_5xx_and_the_engine_lives_on(shaped_server):
+    # A few schemathesis cases (schema-valid and not) on every operation this shape's
+    # document lists (`make fuzz` sends thousands per shape), then each route by hand.
+    from schemathesis import GenerationMode
+
+    for result in load_schema(shaped_server.url).get_all_operations():
+        operation = result.ok()
+        if operation.label in UNFUZZED or not operation.label.startswith("POST"):
+            continue
+        for mode in GenerationMode:
+            run = fuzz_operation(operation, shaped_server.url, mode, FUZZ_EXAMPLES, seed=3)
+            assert all(status < 500 for status in run.statuses), (operation.label, mode, run.statuses)
+            assert not run.failures, "\n".join(run.failures)
     with httpx.Client(base_url=shaped_server.url, timeout=30) as client:
         for method, path, body in PROBES:
             status, first = probe(client, method, path, body)
