@@ -20,7 +20,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from server.server_process import start_server  # noqa: E402
+from server.server_process import read_answer, start_server  # noqa: E402
 
 
 def rss_mib(pid: int) -> float:
@@ -41,12 +41,7 @@ def header_flood(port: int, megabytes: int) -> dict:
             s.sendall(b"\r\n\r\n")
         except (BrokenPipeError, ConnectionResetError):
             pass
-        answer = b""
-        try:
-            while data := s.recv(65536):
-                answer += data
-        except ConnectionResetError:
-            pass
+        answer = read_answer(s)
     return {"sent_mib": round(sent / 2**20, 1), "status_line": answer.split(b"\r\n", 1)[0].decode(errors="replace"),
             "seconds": round(time.monotonic() - started, 2)}
 

@@ -51,6 +51,17 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def read_answer(s: socket.socket) -> bytes:
+    """Everything a server sends on a raw socket until it closes (a reset ends it too)."""
+    answer = b""
+    try:
+        while data := s.recv(65536):
+            answer += data
+    except ConnectionResetError:
+        pass
+    return answer
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

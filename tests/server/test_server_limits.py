@@ -12,7 +12,7 @@ import pytest
 from pagedserve.entrypoints.openai.protocol import MAX_CONSTRAINT_CHARS, MAX_LOGIT_BIAS_ENTRIES, \
     MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
-from .server_process import start_server
+from .server_process import read_answer, start_server
 from .test_server_validation import assert_openai_error
 
 BODY_LIMIT = 1 << 20
@@ -137,16 +137,6 @@ def _rss_bytes(pid: int) -> int:
     return psutil.Process(pid).memory_info().rss
 
 
-def _answer(s: socket.socket) -> bytes:
-    answer = b""
-    try:
-        while data := s.recv(65536):
-            answer += data
-    except ConnectionResetError:
-        pass
-    return answer
-
-
 def test_a_header_flood_gets_431_unread_and_leaves_memory_alone(header_bounded_server):
     """Issue 36: a single 500 MB header was read whole, answered 200 and kept in memory."""
     pid = header_bounded_server.proc.pid
@@ -161,7 +151,7 @@ def test_a_header_flood_gets_431_unread_and_leaves_memory_alone(header_bounded_s
                 sent += len(chunk)
         except (BrokenPipeError, ConnectionResetError):
             pass
-        answer = _answer(s)
+        answer = read_answer(s)
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 431"), answer[:200]
     assert b'"code": "request_header_fields_too_large"' in body and b'"type": "invalid_request_error"' in body
@@ -194,7 +184,7 @@ def test_slow_header_senders_are_cut_off_and_health_answers_meanwhile(header_bou
         assert worst < 1.0, f"/health took {worst:.2f} s during the slow-loris"
         for s in sockets:
             s.settimeout(HEADER_TIMEOUT_S * 3)
-            assert _answer(s).startswith(b"HTTP/1.1 408"), "a slow sender was not cut off"
+            assert read_answer(s).startswith(b"HTTP/1.1 408"), "a slow sender was not cut off"
     finally:
         for s in sockets:
             s.close()
