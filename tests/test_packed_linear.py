@@ -39,7 +39,7 @@ def test_packed_matches_f_linear(rows, bias):
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(n_in, n_out):
     # A request decoding alone is a one-row product; in a batch, one row of many. oneDNN
     # takes another kernel for one row when K is large on AVX-512 CPUs (K >= 1,536 on AMD
-    # Zen 4: other bits), which the layer avoids by never giving it one row.
+    # EPYC Zen 5: other bits), which the layer avoids by never giving it one row.
     torch.manual_seed(n_in)
     layer, _, _ = _pair(n_in, n_out, False)
     x = torch.randn(300, n_in)

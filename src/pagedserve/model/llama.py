@@ -7,6 +7,8 @@ blocks. Logits are computed only for the rows asked for.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,7 +17,7 @@ from ..attention.backend import AttentionBackend
 from ..attention.metadata import AttentionMetadata
 from .config import ModelConfig
 from .lora import LoRABatch
-from .quant import QTYPES, QuantEmbedding, QuantLinear
+from .quant import QTYPE_NAMES, QTYPES, QuantEmbedding, QuantLinear
 
 
 class RotaryEmbedding(nn.Module):
@@ -123,7 +125,7 @@ class Linear(nn.Linear):
         if self.weight is None:
             if x.shape[0] == 1:
                 # oneDNN takes another kernel for one row (another summation order) when K
-                # is large on AVX-512 CPUs (K >= 1,536 on AMD Zen 4): given two rows it takes
+                # is large on AVX-512 CPUs (K >= 1,536 on an AMD EPYC Zen 5 VM): given two rows it takes
                 # the kernel every larger batch takes, so a request's bits do not depend on
                 # whether it decodes alone. At one row the product is bound by reading the
                 # weight, so the second row costs next to nothing.
@@ -294,10 +296,6 @@ class LlamaModel(nn.Module):
     def describe_weights(self) -> str:
         """How many matrices take each path, e.g. "90 on Q8_0 blocks (fp32 arithmetic), 31
         fp32 (oneDNN packed)": the start-up log says what a file's types became."""
-        from collections import Counter
-
-        from .quant import QTYPE_NAMES
-
         def path(m: nn.Module) -> str:
             if isinstance(m, QuantLinear):
                 return f"on {QTYPE_NAMES[m.qtype].upper()} blocks ({m.activations} arithmetic)"
