@@ -1,8 +1,10 @@
 """The fp32 linear op on GGUF blocks (kernels/csrc/dequant_linear.cpp): the fp32 model a
-GGUF's Q4_0 / Q4_1 / Q8_0 matrices define, computed from the blocks.
+GGUF's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrices define, computed from
+the blocks.
 
 Its arithmetic is defined exactly: each output is fma(x[k], w[k], acc) for k = 0 .. K-1 from
-acc = 0, with w[k] the dequantised weight (d * q + m, exact in fp32), then + bias. The
+acc = 0, with w[k] the dequantised weight (exact in fp32; gguf's own dequantiser gives the
+reference for the types beyond quantize_blocks'), then + bias. The
 reference below runs that in float64 (the product is exact there and the sum rounds once
 to float64, then to fp32), which can differ from one fp32 rounding only when the float64
 sum lands on an fp32 tie: never in these fixed-seed cases, so the op must equal it bit for
@@ -14,16 +16,35 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import quantize
 
 from kernel_paths import outputs_on_every_path
 from pagedserve.kernels import resolve_kernels
+from pagedserve.model.gguf_rewrite import quantize_k
 from pagedserve.model.quant import QTYPES, QuantLinear, dequantize_blocks, quantize_blocks
 
 resolve_kernels("native")  # loads the op library; a broken build fails here rather than skipping
 
-BLOCK_TYPES = ["q4_0", "q4_1", "q8_0"]
+BLOCK_TYPES = ["q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
+K_QUANTS = ("q4_k", "q5_k", "q6_k")
+
+
+def blocks_of(name: str, w: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """w quantised to GGML type `name`: (blocks, type id)."""
+    qtype = int(T[name.upper()])
+    if name in QTYPES:
+        return quantize_blocks(w, qtype), qtype
+    raw = quantize_k(w.numpy(), T(qtype)) if name in K_QUANTS else quantize(w.numpy(), T(qtype))
+    return torch.from_numpy(np.ascontiguousarray(raw)), qtype
+
+
+def width(name: str, k: int) -> int:
+    """k, or the next whole number of K-quant super-blocks."""
+    return -(-k // 256) * 256 if name in K_QUANTS else k
 
 
 def weights(n: int, k: int, seed: int) -> torch.Tensor:
@@ -58,8 +79,8 @@ def isa():
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("path", ["auto", "avx2"])
 def test_op_is_the_sequential_fp32_product_of_the_dequantised_weights(name, n, k, with_bias, path, isa) -> None:
-    qtype = QTYPES[name]
-    blocks = quantize_blocks(weights(n, k, seed=n + k), qtype)
+    k = width(name, k)
+    blocks, qtype = blocks_of(name, weights(n, k, seed=n + k))
     bias = torch.randn(n) if with_bias else None
     layer = QuantLinear(blocks, qtype, bias, activations="fp32")
     x = torch.randn(11, k) * torch.rand(11, 1) * 3
@@ -68,13 +89,15 @@ def test_op_is_the_sequential_fp32_product_of_the_dequantised_weights(name, n, k
     ref = sequential_fma_reference(x, dequantize_blocks(blocks, qtype), bias)
     for rows in (1, 2, 3, 4, 5, 6, 7, 11):  # in registers below 4 rows (6 on AVX-512), the GEMM path above
         assert torch.equal(layer(x[:rows]), ref[:rows]), (name, n, k, rows)
+    # One-hot rows read single weights back: the packed tiles hold the file's values.
+    eye = torch.eye(k)[:64]
+    assert torch.equal(QuantLinear(blocks, qtype, activations="fp32")(eye), dequantize_blocks(blocks, qtype)[:, :64].T)
 
 
 @pytest.mark.parametrize("name", BLOCK_TYPES)
 def test_a_rows_bits_do_not_depend_on_batch_threads_or_instruction_set(name) -> None:
-    qtype = QTYPES[name]
-    n, k = 8 * 4 * 3 + 5, 320  # three whole 4-tile groups, then a partial tile
-    blocks = quantize_blocks(weights(n, k, seed=7), qtype)
+    n, k = 8 * 4 * 3 + 5, width(name, 320)  # three whole 4-tile groups, then a partial tile
+    blocks, qtype = blocks_of(name, weights(n, k, seed=7))
     layer = QuantLinear(blocks, qtype, torch.randn(n), activations="fp32")
     results = outputs_on_every_path(layer, torch.randn(300, k), (300, 64, 17, 6, 5, 4, 3, 1))
     for y in results:
@@ -105,3 +128,9 @@ def test_op_rejects_mismatched_arguments() -> None:
         torch.ops.pagedserve.dequant_linear(torch.randn(1, 64).double(), layer.packed, QTYPES["q8_0"], 16, None)
     with pytest.raises(ValueError, match="activations"):
         QuantLinear(layer.packed.new_zeros(16, 68), QTYPES["q8_0"], activations="bf16")
+    with pytest.raises(ValueError, match="int8 activations run on"):
+        QuantLinear(layer.packed.new_zeros(16, 144), int(T.Q4_K), activations="int8")
+    with pytest.raises(RuntimeError, match="quant_repack: row bytes"):
+        torch.ops.pagedserve.quant_repack(layer.packed.new_zeros(16, 100), int(T.Q4_K))
+    with pytest.raises(RuntimeError, match="quant_repack: qtype"):
+        torch.ops.pagedserve.quant_repack(layer.packed.new_zeros(16, 100), int(T.IQ4_NL))

@@ -1,6 +1,7 @@
 """The GGML types users' files hold: each is written (model/gguf_rewrite.py) and read back,
-and the ones a native kernel can take (Q5_0 and IQ4_NL widened exactly to Q8_0 blocks) run
-on it with no fp32 copy of the matrices, giving the tokens of the same file inflated to fp32."""
+and each a native kernel takes runs on its own blocks (IQ4_NL widened exactly to Q8_0
+blocks) with no fp32 copy of any matrix, giving the tokens of the same file inflated to
+fp32."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,9 +10,24 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
-from pagedserve.model.gguf_file import SUPPORTED_TYPES, GGUFFile
-from pagedserve.model.gguf_rewrite import IQ4_NL_VALUES, quantize_iq4_nl, rewrite_gguf
-from pagedserve.model.quant import QuantEmbedding, QuantLinear, widen_to_q8_0
+from pagedserve.model.gguf_file import SUPPORTED_TYPES, GGUFFile, read_tensors
+from pagedserve.model.gguf_rewrite import IQ4_NL_VALUES, quantize_iq4_nl, quantize_k, rewrite_gguf
+from pagedserve.model.quant import ConcatLinear, QuantEmbedding, QuantLinear, widen_to_q8_0
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K])
+def test_k_quant_writer_makes_blocks_gguf_reads_back_close_to_the_values(qtype):
+    rng = np.random.default_rng(int(qtype))
+    x = (rng.standard_normal((6, 512)) * rng.uniform(0.01, 30, (6, 1))).astype(np.float32)
+    x[0, :256] = 0  # an all-zero super-block: scales 0
+    raw = quantize_k(x, qtype)
+    got = dequantize(raw, qtype).reshape(x.shape)
+    assert np.array_equal(got[0, :256], np.zeros(256))
+    # Round to nearest on a grid of (max - min) / 15 (31, 63 for 5 and 6 bits), plus the
+    # 6-bit (Q6_K: 8-bit) quantisation of each block's scale against the super-block's.
+    bound = {T.Q4_K: 0.12, T.Q5_K: 0.06, T.Q6_K: 0.04}[qtype]
+    span = np.abs(x).reshape(6, -1, 256).max(-1, keepdims=True)
+    assert (np.abs(got - x).reshape(6, -1, 256) <= bound * span).all()
 
 
 @pytest.mark.parametrize("qtype", [T.Q5_0, T.IQ4_NL])
@@ -36,18 +52,22 @@ def test_iq4_nl_quantiser_picks_the_nearest_book_value():
     assert np.allclose(np.abs(got.reshape(4, 2, 32) - x.reshape(4, 2, 32)), nearest, atol=1e-6)
 
 
-# A Q4_K_M-like mix on SmolLM2's shapes: rows 576 wide are not whole K-quant super-blocks,
-# so llama-quantize stores them Q5_0 (Q8_0 where it aimed at Q6_K: attn_v); IQ4_NL for the
-# gate/up pair; ffn_down keeps the file's Q4_1; the embedding (and tied head) Q8_0.
+# A Q4_K_M-like mix on SmolLM2's shapes. Rows 576 wide are not whole K-quant super-blocks,
+# so llama-quantize stores them Q5_0 (Q8_0 where it aimed at Q6_K: attn_v and the tied
+# embedding), which makes qkv a matrix of two types; ffn_down (1,536 wide) is Q6_K in every
+# third layer and Q4_K elsewhere (its "more bits" rule); IQ4_NL for the gate/up pair, and
+# Q5_1 for layer 0's, so every type the kernels take is in the file.
 def q4_k_m_like(name: str, shape: tuple[int, ...], qtype: T) -> T:
     if len(shape) == 1:
         return qtype
     if "attn_v" in name or name == "token_embd.weight":
         return T.Q8_0
     if "ffn_gate" in name or "ffn_up" in name:
-        return T.IQ4_NL
+        return T.Q5_1 if name.startswith("blk.0.") else T.IQ4_NL
     if "ffn_down" in name:
-        return qtype
+        return T.Q6_K if int(name.split(".")[1]) % 3 == 0 else T.Q4_K
+    if name.startswith("blk.1."):
+        return T.Q4_1
     return T.Q5_0
 
 
@@ -55,7 +75,7 @@ def q4_k_m_like(name: str, shape: tuple[int, ...], qtype: T) -> T:
 def mixed_gguf(tmp_path_factory, gguf_path):
     path = tmp_path_factory.mktemp("gguf") / "smollm2-mixed.gguf"
     written = rewrite_gguf(gguf_path, path, q4_k_m_like)
-    assert {"Q5_0", "Q8_0", "IQ4_NL", "Q4_1", "F32"} == set(written.values())
+    assert {"Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_1", "Q4_K", "Q6_K", "F32"} == set(written.values())
     return path
 
 
@@ -63,6 +83,19 @@ def test_every_supported_type_reads_back_what_was_written(mixed_gguf):
     types = {t.qtype for t in GGUFFile(mixed_gguf).tensors()}
     assert types <= SUPPORTED_TYPES
     assert {T.Q5_0, T.IQ4_NL, T.Q5_1, T.Q2_K, T.Q3_K} <= SUPPORTED_TYPES
+    fast = read_tensors(mixed_gguf)  # the tensor table alone, from the header walk
+    for ours, theirs in zip(fast, GGUFFile(mixed_gguf).tensors()):
+        assert (ours.name, ours.qtype, ours.shape) == (theirs.name, theirs.qtype, theirs.shape)
+        assert np.array_equal(ours.to_float32(), theirs.to_float32()), ours.name
+
+
+def fp32_matrices(model: torch.nn.Module) -> list[str]:
+    """Every 2-D float32 tensor the model holds, parameters or plain attributes."""
+    found = [n for n, p in model.named_parameters() if p.dim() == 2 and p.dtype == torch.float32]
+    for name, m in model.named_modules():
+        found += [f"{name}.{k}" for k, v in vars(m).items()
+                  if isinstance(v, torch.Tensor) and v.dim() == 2 and v.dtype == torch.float32]
+    return found
 
 
 def test_a_mixed_file_runs_on_native_blocks_with_the_dense_models_tokens(mixed_gguf):
@@ -74,10 +107,14 @@ def test_a_mixed_file_runs_on_native_blocks_with_the_dense_models_tokens(mixed_g
     blocks = load_model(mixed_gguf, use_cache=False, keep_blocks=True)
     model = blocks.model
     assert isinstance(model.embed, QuantEmbedding) and isinstance(model.lm_head, QuantLinear)
-    kinds = {path: (type(m).__name__, getattr(m, "qtype", None)) for path, m in model.named_linears()}
-    assert all(kind == "QuantLinear" for kind, _ in kinds.values()), kinds  # no fp32 matrix anywhere
-    assert kinds["layers.0.qkv"][1] == kinds["layers.0.gate_up"][1] == 8  # Q5_0 + Q8_0, IQ4_NL: as Q8_0
-    assert kinds["layers.0.down"][1] == 3  # Q4_1, as stored
+    assert fp32_matrices(model) == []
+    qkv = model.layers[2].qkv
+    assert isinstance(qkv, ConcatLinear) and [p.qtype for p in qkv.parts] == [T.Q5_0, T.Q8_0]
+    assert [p.out_features for p in qkv.parts] == [576 + 192, 192]
+    kinds = {path: getattr(m, "qtype", None) for path, m in model.named_linears()}
+    assert kinds["layers.0.gate_up"] == T.Q5_1 and kinds["layers.2.gate_up"] == T.Q8_0  # IQ4_NL, widened
+    assert kinds["layers.1.o"] == T.Q4_1 and kinds["layers.2.o"] == T.Q5_0
+    assert kinds["layers.0.down"] == T.Q6_K and kinds["layers.1.down"] == T.Q4_K
 
     dense = load_model(mixed_gguf, use_cache=False)
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -96,6 +133,9 @@ def test_the_start_up_log_says_which_path_each_matrix_takes(mixed_gguf, caplog):
     with caplog.at_level(logging.INFO, logger="pagedserve.engine.llm_engine"):
         LLMEngine(EngineConfig(model=str(mixed_gguf), kv_cache_memory="16MiB", max_model_len=256))
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights: "))
-    # 30 layers: qkv, o, gate_up and the tied head on Q8_0 blocks; down on Q4_1.
-    assert line == "weights: 91 on Q8_0 blocks (fp32 arithmetic), 30 on Q4_1 blocks (fp32 arithmetic); " \
+    # 30 layers. Q8_0: 30 v parts, 29 widened gate_up pairs, the tied head; Q5_0: 29 q/k
+    # parts, 29 o; Q4_K / Q6_K: down; layer 0's gate_up Q5_1, layer 1's q/k and o Q4_1.
+    assert line == "weights: 60 on Q8_0 blocks (fp32 arithmetic), 58 on Q5_0 blocks (fp32 arithmetic), " \
+                   "20 on Q4_K blocks (fp32 arithmetic), 10 on Q6_K blocks (fp32 arithmetic), " \
+                   "2 on Q4_1 blocks (fp32 arithmetic), 1 on Q5_1 blocks (fp32 arithmetic); " \
                    "embedding on Q8_0 blocks", line

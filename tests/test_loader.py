@@ -36,7 +36,7 @@ def test_hf_safetensors_folder_gives_the_same_logits(gguf_path, gguf_file, tmp_p
     """Write the GGUF's weights out as an HF checkpoint folder and load that instead."""
     gguf_model = load_model(gguf_path)
     c = gguf_model.config
-    hf = hf_tensors_from_gguf(gguf_file, c)
+    hf = hf_tensors_from_gguf(gguf_file.tensors(), c)
     save_file({k: v.contiguous() for k, v in hf.items()}, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "llama", "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,

@@ -9,7 +9,9 @@ from model_utils import greedy_generate, prefill_logits
 from pagedserve.attention.backend import ReferenceBackend
 from pagedserve.attention.native_backend import NativePagedAttention
 from pagedserve.kernels import resolve_kernels
-from pagedserve.model.loader import build_model, convert_gguf, gguf_blocks
+from pagedserve.model.gguf_file import read_tensors
+from pagedserve.model.loader import build_model, convert_gguf
+from pagedserve.model.weights import fuse_gguf_blocks
 
 pytestmark = pytest.mark.oracle
 
@@ -28,8 +30,8 @@ def model_and_backend(request, gguf_path):
     pack, kernels = request.param
     c = convert_gguf(gguf_path)
     if pack == "blocks":
-        entry = gguf_blocks(gguf_path, c.config, c.cache_dir)
-        model = build_model(c.config, entry["state"], qtypes=entry["qtypes"])
+        state, qtypes = fuse_gguf_blocks(read_tensors(gguf_path), c.config)
+        model = build_model(c.config, state, qtypes=qtypes)
     else:
         model = build_model(c.config, c.state, pack=pack)
     model.set_kernels(resolve_kernels(kernels))

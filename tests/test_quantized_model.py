@@ -11,7 +11,9 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.kernels import resolve_kernels
-from pagedserve.model.loader import convert_gguf, gguf_blocks, load_model
+from pagedserve.model.gguf_file import read_tensors
+from pagedserve.model.loader import convert_gguf, load_model
+from pagedserve.model.weights import fuse_gguf_blocks
 from pagedserve.model.quant import QTYPES, QuantEmbedding, QuantLinear, dequantize_blocks
 from pagedserve.sampling_params import SamplingParams
 
@@ -65,12 +67,15 @@ def test_gguf_blocks_decode_to_the_fp32_conversion(gguf_path) -> None:
     """The fused, permuted raw blocks dequantise to exactly the fp32 state the default path
     loads: concatenating and permuting rows of blocks is the same as of floats."""
     converted = convert_gguf(gguf_path)
-    entry = gguf_blocks(gguf_path, converted.config, converted.cache_dir)
-    assert set(entry["qtypes"]) == {n for n in converted.state if n.endswith(".weight") and converted.state[n].dim() == 2}
+    state, qtypes = fuse_gguf_blocks(read_tensors(gguf_path), converted.config)
+    assert set(qtypes) == {n for n in converted.state if n.endswith(".weight") and converted.state[n].dim() == 2}
+    assert qtypes["layers.0.qkv.weight"] == (QTYPES["q4_1"],) * 3  # parts, packed one by one
     for name in ("embed.weight", "layers.0.qkv.weight", "layers.29.gate_up.weight", "layers.3.o.weight"):
-        blocks, qtype = entry["state"][name], entry["qtypes"][name]
-        assert blocks.dtype == torch.uint8
-        assert torch.equal(dequantize_blocks(blocks, qtype), converted.state[name]), name
+        blocks, qtype = state[name], qtypes[name]
+        parts = list(zip(blocks, qtype)) if isinstance(qtype, tuple) else [(blocks, qtype)]
+        assert all(b.dtype == torch.uint8 for b, _ in parts)
+        dequantised = torch.cat([dequantize_blocks(b, t) for b, t in parts])
+        assert torch.equal(dequantised, converted.state[name]), name
 
 
 def _agreement(reference, quantised) -> tuple[float, float]:

@@ -66,7 +66,7 @@ def load_shard(model: str | None, rank: int, size: int, pack: bool | None = None
     tokenizer = None
     if source.kind == "gguf":
         cached = cached_gguf(gguf_cache_dir(source.path)) if use_cache else None
-        if cached is not None:
+        if cached is not None and cached.state is not None:
             config, tokenizer = cached.config, cached.tokenizer
             shard = TPShard(config, rank, size)
             state = shard.shard_fused_state(cached.state)
@@ -75,7 +75,7 @@ def load_shard(model: str | None, rank: int, size: int, pack: bool | None = None
             gguf = GGUFFile(source.path)
             config = ModelConfig.from_gguf_metadata(gguf.metadata)
             probe = TPShard(config, rank, size)  # validates the split before anything is read
-            hf = hf_tensors_from_gguf(gguf, config, select=probe.shard_hf)
+            hf = hf_tensors_from_gguf(gguf.tensors(), config, select=probe.shard_hf)
             config = dataclasses.replace(config, tie_word_embeddings="lm_head.weight" not in hf)
             shard = TPShard(config, rank, size)
             state = fuse_hf_tensors(hf, shard.local_config())

@@ -4,8 +4,9 @@ types users download (Q5_0 rows beside K-quants, IQ4_NL, ...) made here, never f
 `rewrite_gguf(src, dst, choose)` copies every metadata entry and, tensor by tensor, asks
 `choose(name, shape, qtype)` for the type to store; the weights are dequantised to fp32
 and quantised again. Legacy types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and BF16/F16/F32 use the
-`gguf` package's reference quantisers, IQ4_NL this module's (`quantize_iq4_nl`, checked
-against `gguf`'s dequantiser in tests/test_gguf_types.py).
+`gguf` package's reference quantisers; IQ4_NL, Q4_K, Q5_K and Q6_K this module's
+(`quantize_iq4_nl`, `quantize_k`: `gguf` 0.19 only dequantises those), checked against
+`gguf`'s dequantiser in tests/test_gguf_types.py.
 
     python -m pagedserve.model.gguf_rewrite SRC.gguf DST.gguf --type q5_0
 
@@ -49,13 +50,76 @@ def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
     return out.reshape(*x.shape[:-1], -1)
 
 
+def _half(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(fp16 value as fp32, its two bytes)."""
+    h = x.astype(np.float16)
+    return h.astype(np.float32), h[..., None].view(np.uint8)
+
+
+def _codes(x: np.ndarray, d: np.ndarray, m: np.ndarray, top: int) -> np.ndarray:
+    """round((x + m) / d) in 0..top per value (0 where d is 0), uint8."""
+    safe = np.where(d == 0, 1.0, d)
+    return np.where(d == 0, 0, np.clip(np.rint((x + m) / safe), 0, top)).astype(np.uint8)
+
+
+def quantize_k(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """fp32 [..., K] (K a multiple of 256) -> Q4_K, Q5_K or Q6_K super-blocks, uint8
+    [..., K / 256 * block bytes], in llama.cpp's layout (ggml-common.h block_q4_K ...).
+
+    Each block of 32 (Q6_K: 16) values gets the scale that spans it (and, for Q4_K/Q5_K,
+    the min that lifts its lowest value to 0), stored in 6 (8) bits against the
+    super-block's fp16 d (and dmin); codes round to nearest. llama.cpp also searches for
+    scales of lower error (make_qkx2_quants); these are valid files of slightly more error."""
+    sb = x.astype(np.float32).reshape(*x.shape[:-1], -1, 256)
+    if qtype == GGMLQuantizationType.Q6_K:
+        sub = sb.reshape(*sb.shape[:-1], 16, 16)
+        scale = np.abs(sub).max(-1) / 31
+        d, d_bytes = _half(scale.max(-1) / 127)
+        sc = np.clip(np.rint(scale / np.where(d == 0, 1.0, d)[..., None]), -128, 127).astype(np.int8)
+        eff = d[..., None] * sc
+        codes = _codes(sub, eff[..., None], 32 * eff[..., None], 63).reshape(*sb.shape)  # q + 32
+        by_nkl = codes.reshape(*sb.shape[:-1], 2, 4, 32)  # value 128n + 32k + l
+        ql = np.concatenate([(by_nkl[..., 0, :] & 15) | ((by_nkl[..., 2, :] & 15) << 4),
+                             (by_nkl[..., 1, :] & 15) | ((by_nkl[..., 3, :] & 15) << 4)], axis=-1)
+        qh = sum((by_nkl[..., k, :] >> 4) << (2 * k) for k in range(4)).astype(np.uint8)
+        out = np.concatenate([ql.reshape(*sb.shape[:-1], 128), qh.reshape(*sb.shape[:-1], 64),
+                              sc.view(np.uint8), d_bytes], axis=-1)
+        return out.reshape(*x.shape[:-1], -1)
+    if qtype not in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
+        raise ValueError(f"quantize_k writes Q4_K, Q5_K and Q6_K, not {qtype.name}")
+    top = 15 if qtype == GGMLQuantizationType.Q4_K else 31
+    sub = sb.reshape(*sb.shape[:-1], 8, 32)
+    low = np.minimum(sub.min(-1), 0)
+    scale, lift = (sub.max(-1) - low) / top, -low
+    d, d_bytes = _half(scale.max(-1) / 63)
+    dmin, dmin_bytes = _half(lift.max(-1) / 63)
+    sc = np.clip(np.rint(scale / np.where(d == 0, 1.0, d)[..., None]), 0, 63).astype(np.uint8)
+    mn = np.clip(np.rint(lift / np.where(dmin == 0, 1.0, dmin)[..., None]), 0, 63).astype(np.uint8)
+    codes = _codes(sub, (d[..., None] * sc)[..., None], (dmin[..., None] * mn)[..., None], top)
+    # 12 bytes of 6-bit scales and mins (ggml's get_scale_min_k4 reads them back).
+    scales = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], axis=-1)
+    qs = ((codes[..., 0::2, :] & 15) | ((codes[..., 1::2, :] & 15) << 4)).reshape(*sb.shape[:-1], 128)
+    parts = [d_bytes, dmin_bytes, scales]
+    if top == 31:
+        parts.append(sum((codes[..., s, :] >> 4) << s for s in range(8)).astype(np.uint8))
+    out = np.concatenate([*parts, qs], axis=-1)
+    return out.reshape(*x.shape[:-1], -1)
+
+
+_K_QUANTS = {GGMLQuantizationType[n] for n in ("Q4_K", "Q5_K", "Q6_K")}
+
+
 def quantize_as(values: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """fp32 weights -> the bytes (or values) a GGUF stores for them as `qtype`."""
     if qtype == GGMLQuantizationType.IQ4_NL:
         return quantize_iq4_nl(values)
+    if qtype in _K_QUANTS:
+        return quantize_k(values, qtype)
     if qtype not in _GGUF_QUANTISED:
         raise ValueError(f"cannot write {qtype.name}: the gguf package quantises only "
-                         + ", ".join(sorted(t.name for t in _GGUF_QUANTISED)) + " and this module IQ4_NL")
+                         + ", ".join(sorted(t.name for t in _GGUF_QUANTISED)) + " and this module IQ4_NL, "
+                         "Q4_K, Q5_K and Q6_K")
     return quantize(values, qtype)
 
 

@@ -17,7 +17,7 @@ from ..attention.backend import AttentionBackend
 from ..attention.metadata import AttentionMetadata
 from .config import ModelConfig
 from .lora import LoRABatch
-from .quant import QTYPE_NAMES, QTYPES, QuantEmbedding, QuantLinear
+from .quant import INT8_TYPES, QTYPES, ConcatLinear, QuantEmbedding, QuantLinear, type_name
 
 
 class RotaryEmbedding(nn.Module):
@@ -234,26 +234,40 @@ class LlamaModel(nn.Module):
         prepack the fp32 linear layers' weights for oneDNN (`pack`: default when torch has it).
 
         `qtypes` names the state's matrices that are GGUF blocks (weights.fuse_gguf_blocks)
-        and their GGML types: those layers (and a tied head, from the embedding's blocks) run
-        on the blocks as they are, in fp32 arithmetic when `quantization` is none (the fp32
-        model the blocks define) and in llama.cpp's int8 otherwise. q8_0 / q4_0 / q4_1 quantises every fp32
+        and their GGML types (a tuple, with a list of tensors, for a matrix of parts): those layers (and a tied head, from the embedding's blocks) run on the
+        blocks as they are, in fp32 arithmetic when `quantization` is none (the fp32 model
+        the blocks define) and in llama.cpp's int8 otherwise, where the type has an int8 op. q8_0 / q4_0 / q4_1 quantises every fp32
         linear layer at load, and the head to q8_0; the embedding stays fp32 (it is only indexed)."""
         state = dict(state)
         divisors = state.pop("rope_freq_divisors", None)
         if divisors is not None:
             self.rotary.set_freq_divisors(divisors)
-        activations = "fp32" if quantization == "none" else "int8"
+        def activations(qtype: int) -> str:  # int8 where asked for and an int8 op exists
+            return "int8" if quantization != "none" and qtype in INT8_TYPES else "fp32"
+
         for name, qtype in (qtypes or {}).items():
             path = name.removesuffix(".weight")
-            blocks = state.pop(name)
+            blocks, bias = state.pop(name), state.pop(f"{path}.bias", None)
             if path == "embed":
                 self.embed = QuantEmbedding(blocks, qtype)
+            elif isinstance(qtype, tuple):  # parts (q, k, v), packed a run of one type at a time
+                layers, row, i = [], 0, 0
+                while i < len(qtype):
+                    j = i + 1
+                    while j < len(qtype) and qtype[j] == qtype[i]:
+                        j += 1
+                    rows = sum(b.shape[0] for b in blocks[i:j])
+                    part_bias = None if bias is None else bias[row:row + rows]
+                    layers.append(QuantLinear(blocks[i:j], qtype[i], part_bias, activations(qtype[i])))
+                    row, i = row + rows, j
+                self.set_submodule(path, layers[0] if len(layers) == 1 else ConcatLinear(layers))
             else:
-                self.set_submodule(path, QuantLinear(blocks, qtype, state.pop(f"{path}.bias", None), activations))
+                self.set_submodule(path, QuantLinear(blocks, qtype, bias, activations(qtype)))
         self.load_state_dict(state, strict=True, assign=True)
         if self.lm_head is None:
             if isinstance(self.embed, QuantEmbedding):
-                self.lm_head = QuantLinear(self.embed.blocks, self.embed.qtype, activations=activations)
+                self.lm_head = QuantLinear(self.embed.blocks, self.embed.qtype,
+                                           activations=activations(self.embed.qtype))
             else:
                 self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
                 self.lm_head.weight = self.embed.weight  # packing copies it; the embedding keeps its own
@@ -275,7 +289,7 @@ class LlamaModel(nn.Module):
         """"native" or "torch" (pagedserve.kernels.resolve_kernels decides which can run)."""
         if kernels not in ("native", "torch"):
             raise ValueError(f"kernels must be 'native' or 'torch', got {kernels!r}")
-        if kernels == "torch" and any(isinstance(m, QuantLinear) for _, m in self.named_linears()):
+        if kernels == "torch" and any(isinstance(m, (QuantLinear, ConcatLinear)) for _, m in self.named_linears()):
             raise ValueError("layers on GGUF blocks run only on the native kernels (kernels='native' or 'auto' "
                              "where the library can run); load the model with quantization='none' and "
                              "keep_blocks=False for the torch path")
@@ -298,12 +312,13 @@ class LlamaModel(nn.Module):
         fp32 (oneDNN packed)": the start-up log says what a file's types became."""
         def path(m: nn.Module) -> str:
             if isinstance(m, QuantLinear):
-                return f"on {QTYPE_NAMES[m.qtype].upper()} blocks ({m.activations} arithmetic)"
+                return f"on {type_name(m.qtype)} blocks ({m.activations} arithmetic)"
             if isinstance(m, Linear):
                 return "fp32 (oneDNN packed)" if m.weight is None else f"{m.weight.dtype} (torch)"
             return type(m).__name__
-        counts = Counter(path(m) for _, m in self.named_linears())
-        embed = f"embedding on {QTYPE_NAMES[self.embed.qtype].upper()} blocks" if isinstance(self.embed, QuantEmbedding) \
+        modules = [m for _, m in self.named_linears()]
+        counts = Counter(path(p) for m in modules for p in (m.parts if isinstance(m, ConcatLinear) else [m]))
+        embed = f"embedding on {type_name(self.embed.qtype)} blocks" if isinstance(self.embed, QuantEmbedding) \
             else f"embedding {self.embed.weight.dtype}"
         return ", ".join(f"{n} {p}" for p, n in counts.most_common()) + f"; {embed}"
 

@@ -3,11 +3,13 @@
 Accepted: None (the embedded SmolLM2-135M-Instruct GGUF), a `.gguf` file, or a
 Hugging Face folder (config.json + *.safetensors + tokenizer.json).
 
-Reading a GGUF costs seconds (the `gguf` reader parses the 49k-entry vocabulary
-element by element, then every tensor is dequantised), so the first load converts
-the file once into a cache folder keyed by the file's content hash: the fused
-float32 weights (memory-mapped back on later loads), the model config and the
-model's GGUF metadata without the vocabulary arrays.
+A GGUF's metadata costs seconds to read (the `gguf` reader parses the 49k-entry
+vocabulary element by element), so the first load keeps what it found in a cache folder
+keyed by the file's content hash: the model config, the tokenizer and the metadata without
+the vocabulary arrays. Quantised matrices that a native kernel reads are then taken from
+the file's memory map at every start (gguf_file.read_tensors: no copy on disk); only a
+model inflated to float32 (the torch kernels, or `gguf_weights="dense"`) also caches its
+fused float32 weights there, memory-mapped back on later loads.
 """
 from __future__ import annotations
 
@@ -23,13 +25,14 @@ from typing import Any
 import torch
 
 from .config import QUANTIZATION_CHOICES, ModelConfig
-from .gguf_file import GGUFFile
+from .gguf_file import GGUFFile, read_tensors
 from .llama import LlamaModel
 from .sources import ModelSource, file_digest, gguf_cache_dir, resolve_model  # noqa: F401  (re-exported)
 from .tokenizer import Tokenizer
 from .weights import fuse_gguf_blocks, fuse_hf_tensors, hf_tensors_from_gguf, hf_tensors_from_safetensors
 
 logger = logging.getLogger(__name__)
+
 
 def _metadata_without_vocab(meta: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in meta.items() if not isinstance(v, list) or len(v) < 1024}
@@ -40,50 +43,60 @@ class ConvertedGGUF:
     """What the engine needs from a GGUF, whether read now or from the cache."""
 
     config: ModelConfig
-    state: dict[str, torch.Tensor]
+    state: dict[str, torch.Tensor] | None  # the fused float32 weights, once converted
     tokenizer: Tokenizer
     metadata: dict[str, Any]  # GGUF metadata (vocabulary arrays only when read fresh)
     cache_dir: Path
     from_cache: bool
 
 
-
-
 def cached_gguf(cache_dir: Path) -> ConvertedGGUF | None:
-    """A converted cache entry (weights memory-mapped), or None if there is none."""
+    """A cache entry (float32 weights memory-mapped where converted), or None if there is none."""
     meta_file = cache_dir / "model.json"
     if not meta_file.is_file():  # entries appear whole (see _publish_cache)
         return None
     saved = json.loads(meta_file.read_text())
     config = ModelConfig(**saved["config"])
-    state = torch.load(cache_dir / "weights.pt", mmap=True, weights_only=True)
+    weights = cache_dir / "weights.pt"
+    state = torch.load(weights, mmap=True, weights_only=True) if weights.is_file() else None
     tokenizer = Tokenizer.from_pretrained(cache_dir / "tokenizer")
     return ConvertedGGUF(config, state, tokenizer, saved["metadata"], cache_dir, from_cache=True)
 
 
-def convert_gguf(path: Path, use_cache: bool = True) -> ConvertedGGUF:
+def gguf_header(path: Path, use_cache: bool = True) -> ConvertedGGUF:
+    """The config, tokenizer and metadata of a GGUF (state None unless converted before)."""
     cache_dir = gguf_cache_dir(path)
     cached = cached_gguf(cache_dir) if use_cache else None
     if cached is not None:
         return cached
     gguf = GGUFFile(path)
     config = ModelConfig.from_gguf_metadata(gguf.metadata)
-    hf = hf_tensors_from_gguf(gguf, config)
-    config = dataclasses.replace(config, tie_word_embeddings="lm_head.weight" not in hf)
-    state = fuse_hf_tensors(hf, config)
+    names = {t.name for t in gguf.tensors()}
+    config = dataclasses.replace(config, tie_word_embeddings="output.weight" not in names)
     tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     if use_cache:
-        _publish_cache(cache_dir, state, tokenizer, config, gguf.metadata)
-    return ConvertedGGUF(config, state, tokenizer, gguf.metadata, cache_dir, from_cache=False)
+        _publish_cache(cache_dir, tokenizer, config, gguf.metadata)
+    return ConvertedGGUF(config, None, tokenizer, gguf.metadata, cache_dir, from_cache=False)
 
 
-def _publish_cache(cache_dir: Path, state, tokenizer: Tokenizer, config: ModelConfig, metadata: dict) -> None:
-    """Write the converted model into a private staging folder, then rename it into
-    place: processes converting the same file at once never see half an entry."""
+def convert_gguf(path: Path, use_cache: bool = True) -> ConvertedGGUF:
+    """The GGUF with its fused float32 weights (every matrix dequantised), cached."""
+    header = gguf_header(path, use_cache)
+    if header.state is not None:
+        return header
+    hf = hf_tensors_from_gguf(read_tensors(path), header.config)
+    state = fuse_hf_tensors(hf, header.config)
+    if use_cache:
+        _publish_weights(header.cache_dir / "weights.pt", state)
+    return dataclasses.replace(header, state=state)
+
+
+def _publish_cache(cache_dir: Path, tokenizer: Tokenizer, config: ModelConfig, metadata: dict) -> None:
+    """Write the entry into a private staging folder, then rename it into place: processes
+    reading the same file at once never see half an entry."""
     staging = cache_dir.with_name(f"{cache_dir.name}.staging-{os.getpid()}")
     try:
         staging.mkdir(parents=True, exist_ok=True)
-        torch.save(state, staging / "weights.pt")
         tokenizer.save(staging / "tokenizer")
         (staging / "model.json").write_text(
             json.dumps({"config": config.to_dict(), "metadata": _metadata_without_vocab(metadata)})
@@ -96,24 +109,17 @@ def _publish_cache(cache_dir: Path, state, tokenizer: Tokenizer, config: ModelCo
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def gguf_blocks(path: Path, config: ModelConfig, cache_dir: Path, use_cache: bool = True) -> dict[str, Any]:
-    """{"state": the fused state with quantised matrices in their GGUF blocks, "qtypes":
-    their GGML types} (weights.fuse_gguf_blocks), cached next to the fp32 conversion: it
-    needs the file parsed again, which costs seconds."""
-    blocks_file = cache_dir / "blocks.pt"
-    if use_cache and blocks_file.is_file():
-        return torch.load(blocks_file, mmap=True, weights_only=True)
-    state, qtypes = fuse_gguf_blocks(GGUFFile(path), config)
-    entry = {"state": state, "qtypes": qtypes}
-    if use_cache and cache_dir.is_dir():
-        staging = blocks_file.with_name(f"blocks.pt.staging-{os.getpid()}")
-        try:
-            torch.save(entry, staging)
-            os.replace(staging, blocks_file)  # readers see the whole file or none
-        except OSError as e:
-            logger.warning("could not write %s: %s", blocks_file, e)
-            staging.unlink(missing_ok=True)
-    return entry
+def _publish_weights(target: Path, state: dict[str, torch.Tensor]) -> None:
+    """Readers see the whole file or none."""
+    if not target.parent.is_dir():
+        return
+    staging = target.with_name(f"{target.name}.staging-{os.getpid()}")
+    try:
+        torch.save(state, staging)
+        os.replace(staging, target)
+    except OSError as e:
+        logger.warning("could not write %s: %s", target, e)
+        staging.unlink(missing_ok=True)
 
 
 def build_model(
@@ -159,12 +165,13 @@ def load_model(
     if quantization == "gguf" and source.kind != "gguf":
         raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks, but {source.path} is a {source.kind} model")
     qtypes = None
-    if source.kind == "gguf":
+    if source.kind == "gguf" and (quantization == "gguf" or (keep_blocks and quantization == "none")):
+        header = gguf_header(source.path, use_cache=use_cache)
+        config, tokenizer = header.config, header.tokenizer
+        state, qtypes = fuse_gguf_blocks(read_tensors(source.path), config, int8=quantization == "gguf")
+    elif source.kind == "gguf":
         converted = convert_gguf(source.path, use_cache=use_cache)
         config, state, tokenizer = converted.config, converted.state, converted.tokenizer
-        if quantization == "gguf" or (keep_blocks and quantization == "none"):
-            entry = gguf_blocks(source.path, config, converted.cache_dir, use_cache=use_cache)
-            state, qtypes = entry["state"], entry["qtypes"]
     else:
         config = ModelConfig.from_hf_config(source.path / "config.json")
         state = fuse_hf_tensors(hf_tensors_from_safetensors(source.path), config)

@@ -1,5 +1,5 @@
-"""Weight-only quantisation in llama.cpp's block formats (Q8_0, Q4_0, Q4_1), and the
-linear and embedding modules that run on those blocks.
+"""Weight-only quantisation in llama.cpp's block formats, and the linear and embedding
+modules that run on a GGUF file's blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K).
 
 A block is 32 consecutive input values of one output row, stored exactly as a GGUF
 file stores it (so `gguf.quants` reads our bytes and we read a file's bytes as they
@@ -10,25 +10,40 @@ uint8 tensor [N, K / 32 * block bytes]: rows stay rows, so fusing q/k/v or gate/
 (concatenating rows) and undoing llama.cpp's q/k row permutation work on raw blocks.
 
 QuantLinear repacks the blocks once for pagedserve's native ops, which read them in one
-of two ways: `activations="int8"` (kernels/csrc/quant_linear.cpp) quantises each row's
-activations too and multiplies in integers, llama.cpp's way; `activations="fp32"`
-(dequant_linear.cpp) dequantises the weights in registers and multiplies in fp32, which is
-the fp32 model the blocks define, exactly, at the blocks' bytes per weight. There is no
+of two ways: `activations="int8"` (kernels/csrc/quant_linear.cpp; Q8_0, Q4_0, Q4_1)
+quantises each row's activations too and multiplies in integers, llama.cpp's way;
+`activations="fp32"` (dequant_linear.cpp; every type above) dequantises the weights in
+registers and multiplies in fp32, which is the fp32 model the blocks define, exactly, at
+about the blocks' bytes per weight (quant_linear.h's PackedLayout). There is no
 pure-torch forward, since dequantising every call would be slower than the fp32 layer it
 replaces: these layers need the native kernels.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
 from torch import nn
 
 from ..kernels import native_unavailable_reason
-
-BLOCK = 32
 from .config import QTYPES
 
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
-QTYPE_NAMES = {v: k for k, v in QTYPES.items()}
+BLOCK = 32
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # the types quantize_blocks writes
+# GGML types the fp32 op reads on their own blocks; the int8 op takes QTYPES' three.
+NATIVE_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
+INT8_TYPES = frozenset(QTYPES.values())
+
+
+def type_name(qtype: int) -> str:
+    return GGMLQuantizationType(qtype).name
+
+
+def row_values(blocks: torch.Tensor, qtype: int) -> int:
+    """Values per row of blocks uint8 [rows, row bytes] of GGML type `qtype`."""
+    block_values, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    return blocks.shape[1] // block_bytes * block_values
 
 
 def _check_shape(w: torch.Tensor) -> None:
@@ -77,7 +92,11 @@ def quantize_blocks(w: torch.Tensor, qtype: int) -> torch.Tensor:
 
 
 def dequantize_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
-    """GGUF blocks uint8 [N, row bytes] -> fp32 [N, K]."""
+    """GGUF blocks uint8 [N, row bytes] -> fp32 [N, K] (types beyond quantize_blocks' three by
+    gguf's own dequantiser)."""
+    if qtype not in BLOCK_BYTES:
+        values = gguf_dequantize(blocks.numpy(), GGMLQuantizationType(qtype))
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(blocks.shape[0], -1)
     bb = BLOCK_BYTES[qtype]
     n = blocks.shape[0]
     b = blocks.reshape(n, -1, bb)
@@ -94,12 +113,12 @@ def dequantize_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     return w.reshape(n, -1)
 
 
-# GGML types with no kernel of their own whose every block is exactly a Q8_0 block: a
-# signed 8-bit integer per value times the block's fp16 scale. Q5_0 holds d * (q - 16) with
-# q of 5 bits; IQ4_NL d * book[i] with book values in [-127, 113]. Widened so, they run on
-# the Q8_0 kernels at 34 bytes a block (22 and 18 in the file) instead of fp32's 128.
+# GGML types whose every block is exactly a Q8_0 block: a signed 8-bit integer per value
+# times the block's fp16 scale. Q5_0 holds d * (q - 16) with q of 5 bits (the int8 op has
+# no Q5_0 kernel); IQ4_NL d * book[i] with book values in [-127, 113] (no op reads its
+# book). Widened so, they run on the Q8_0 kernels at 34 bytes a block (22 and 18 in the
+# file) instead of fp32's 128.
 Q5_0, IQ4_NL = 6, 20
-WIDENS_TO_Q8_0 = (Q5_0, IQ4_NL)
 _IQ4_NL_BOOK = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                             dtype=torch.int8)
 
@@ -140,28 +159,38 @@ ACTIVATIONS = ("int8", "fp32")
 
 
 class QuantLinear(nn.Module):
-    """A linear layer on Q8_0 / Q4_0 / Q4_1 blocks; `bias` (fp32) optional; `activations`
-    int8 (quantised on the fly) or fp32 (the dequantised weights' exact fp32 product)."""
+    """A linear layer on GGUF blocks (NATIVE_TYPES); `bias` (fp32) optional; `activations`
+    int8 (quantised on the fly; INT8_TYPES) or fp32 (the dequantised weights' exact fp32
+    product)."""
 
-    def __init__(self, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None = None,
+    def __init__(self, blocks: torch.Tensor | list[torch.Tensor], qtype: int, bias: torch.Tensor | None = None,
                  activations: str = "int8"):
+        """`blocks`: uint8 [rows, row bytes], or a list of them stacked as rows (a fused matrix's
+        parts, packed one by one)."""
         super().__init__()
-        if qtype not in BLOCK_BYTES:
-            raise ValueError(f"unsupported qtype {qtype}; supported: {QTYPES}")
+        if qtype not in NATIVE_TYPES:
+            raise ValueError(f"unsupported qtype {qtype}; supported: "
+                             + ", ".join(f"{type_name(t)} ({t})" for t in sorted(NATIVE_TYPES)))
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+        if activations == "int8" and qtype not in INT8_TYPES:
+            raise ValueError(f"int8 activations run on Q8_0, Q4_0 and Q4_1 blocks, not {type_name(qtype)}")
         reason = native_unavailable_reason()  # also loads the library
         if reason is not None:
             raise ValueError(f"quantised linear layers need pagedserve's native kernels, which cannot run here: {reason}")
         self.activations = activations
         self._op = torch.ops.pagedserve.quant_linear if activations == "int8" else torch.ops.pagedserve.dequant_linear
         self.qtype = qtype
-        self.out_features = blocks.shape[0]
-        self.in_features = blocks.shape[1] // BLOCK_BYTES[qtype] * BLOCK
+        parts = list(blocks) if isinstance(blocks, (list, tuple)) else [blocks]
+        self.out_features = sum(b.shape[0] for b in parts)
+        self.in_features = row_values(parts[0], qtype)
         # Plain attributes, not parameters or buffers: the model's state dict keeps the
         # checkpoint's names and layout, which these replace (LlamaModel.load_weights).
         self.bias = None if bias is None else bias.float().contiguous()
-        self.packed = torch.ops.pagedserve.quant_repack(blocks.contiguous(), qtype)
+        if any(b.shape[0] % 8 for b in parts[:-1]):  # a part would end inside a tile of 8 rows
+            parts = [torch.cat(parts)]
+        packed = [torch.ops.pagedserve.quant_repack(b.contiguous(), qtype) for b in parts]
+        self.packed = packed[0] if len(packed) == 1 else torch.cat(packed)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, qtype: int, bias: torch.Tensor | None = None) -> "QuantLinear":
@@ -171,8 +200,22 @@ class QuantLinear(nn.Module):
         return self._op(x, self.packed, self.qtype, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, {QTYPE_NAMES[self.qtype]}, "
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {type_name(self.qtype)}, "
                 f"{self.activations} activations")
+
+
+class ConcatLinear(nn.Module):
+    """One fused matrix whose row ranges a file stores in different types (Q4_K_M's q and k
+    in Q4_K, v in Q6_K): each range on its own blocks, the outputs side by side."""
+
+    def __init__(self, parts: list[QuantLinear]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
 class QuantEmbedding(nn.Module):

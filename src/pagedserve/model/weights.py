@@ -10,13 +10,14 @@ import math
 import re
 from collections.abc import Callable, Collection
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from .config import QTYPES, ModelConfig
-from .gguf_file import GGUFFile
-from .quant import BLOCK_BYTES, WIDENS_TO_Q8_0, dequantize_blocks, widen_to_q8_0
+from .gguf_file import GGUFTensor
+from .quant import IQ4_NL, NATIVE_TYPES, Q5_0, dequantize_blocks, widen_to_q8_0
 
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -63,33 +64,44 @@ def undo_llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def hf_tensors_from_gguf(
-    gguf: GGUFFile, config: ModelConfig, keep_blocks: Collection[int] = (),
-    select: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    tensors: list[GGUFTensor], config: ModelConfig, keep_blocks: Collection[int] = (),
+    widen: Collection[int] = (), select: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """fp32 tensors under HF names; matrices whose GGML type is in `keep_blocks` stay in
-    their blocks, uint8 [rows, row bytes] (model/quant.py): rows are whole blocks, so the
-    q/k row permutation below applies to them as to floats. `select(name, tensor)` keeps
-    part of each tensor as soon as it is read (a tensor-parallel rank's shard)."""
+    their blocks, uint8 [rows, row bytes] (model/quant.py), and those in `widen` become Q8_0
+    blocks (quant.widen_to_q8_0): rows are whole blocks, so the q/k row permutation below
+    applies to them as to floats. `select(name, tensor)` keeps part of each tensor as soon
+    as it is read (a tensor-parallel rank's shard)."""
     out: dict[str, torch.Tensor] = {}
     # Only llama-arch files are permuted by the converter (Qwen2/3 use HF's rotation already).
     permuted = config.architecture in ("llama", "mistral")
-    for t in gguf.tensors():
+    for t in tensors:
         name = _hf_name_for_gguf(t.name)
         if name is None:
-            raise ValueError(f"unexpected tensor {t.name!r} in {gguf.path.name}")
+            raise ValueError(f"unexpected tensor {t.name!r} in a {config.architecture} model")
         if t.qtype in keep_blocks and len(t.shape) == 2:
-            w = np.array(t.raw, dtype=np.uint8).reshape(t.shape[0], -1)  # a copy: the map is read-only
-        elif t.qtype in WIDENS_TO_Q8_0 and QTYPES["q8_0"] in keep_blocks and len(t.shape) == 2:
-            w = widen_to_q8_0(torch.from_numpy(np.array(t.raw, dtype=np.uint8).reshape(t.shape[0], -1)),
-                              int(t.qtype)).numpy()
+            # Views of the file's memory map: the model's packing copies them once.
+            w = np.asarray(t.raw).reshape(t.shape[0], -1)
+        elif t.qtype in widen and len(t.shape) == 2:
+            w = widen_to_q8_0(torch.from_numpy(np.asarray(t.raw).reshape(t.shape[0], -1)), int(t.qtype)).numpy()
         else:
             w = t.to_float32()
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = undo_llama_cpp_permute(w, config.num_heads)
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = undo_llama_cpp_permute(w, config.num_kv_heads)
-        out[name] = torch.from_numpy(w) if select is None else select(name, torch.from_numpy(w))
+        out[name] = _tensor(w) if select is None else select(name, _tensor(w))
     return out
+
+
+def _tensor(w: np.ndarray) -> torch.Tensor:
+    """torch's view of an array, read-only memory maps included (torch warns about those,
+    but nothing here writes to a weight)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(w)
 
 
 def hf_tensors_from_safetensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -137,10 +149,12 @@ def fused_matrices(config: ModelConfig, hf_names: Collection[str]) -> dict[str, 
     return out
 
 
-def fuse_hf_tensors(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF names -> the fused parameter names of pagedserve's LlamaModel."""
-    sd: dict[str, torch.Tensor] = {
-        fused: torch.cat([hf[p] for p in parts]) if len(parts) > 1 else hf[parts[0]]
+def fuse_hf_tensors(hf: dict[str, torch.Tensor], config: ModelConfig, apart: Collection[str] = ()
+                    ) -> dict[str, Any]:
+    """HF names -> the fused parameter names of pagedserve's LlamaModel. A fused matrix named
+    in `apart` stays a list of its parts (GGUF blocks: see fuse_gguf_blocks)."""
+    sd: dict[str, Any] = {
+        fused: [hf[p] for p in parts] if fused in apart else _cat([hf[p] for p in parts])
         for fused, parts in fused_matrices(config, hf).items()
     }
     sd["norm.weight"] = hf["model.norm.weight"]
@@ -159,25 +173,31 @@ def fuse_hf_tensors(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
         if config.qk_norm:
             sd[f"layers.{i}.q_norm.weight"] = hf[a + "q_norm.weight"]
             sd[f"layers.{i}.k_norm.weight"] = hf[a + "k_norm.weight"]
-    return {k: v.contiguous() for k, v in sd.items()}
+    return {k: [t.contiguous() for t in v] if isinstance(v, list) else v.contiguous() for k, v in sd.items()}
 
 
-def fuse_gguf_blocks(gguf: GGUFFile, config: ModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-    """The fused state dict with every matrix that a native quantised kernel reads kept in
-    its GGUF blocks (`--quantization gguf`), and those matrices' GGML types. A fused matrix
-    whose parts differ in type is dequantised to fp32 (blocks of two formats cannot share
-    one tensor)."""
-    # Q5_0 and IQ4_NL matrices arrive widened to Q8_0 (quant.widen_to_q8_0).
-    types = {_hf_name_for_gguf(t.name): QTYPES["q8_0"] if t.qtype in WIDENS_TO_Q8_0 else int(t.qtype)
-             for t in gguf.tensors()}
-    hf = hf_tensors_from_gguf(gguf, config, keep_blocks=BLOCK_BYTES)
-    qtypes: dict[str, int] = {}
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def fuse_gguf_blocks(tensors: list[GGUFTensor], config: ModelConfig, int8: bool = False
+                     ) -> tuple[dict[str, Any], dict[str, int | tuple[int, ...]]]:
+    """The fused state dict with every matrix that a native kernel reads kept in its GGUF
+    blocks (memory-mapped views of the file), and those matrices' GGML types. IQ4_NL
+    matrices arrive widened to Q8_0 (quant.widen_to_q8_0), and Q5_0 too for `int8` (where
+    the int8 op takes Q8_0 but not Q5_0). A fused matrix of several parts (q, k, v) is a
+    list of them with a tuple of their types, not concatenated here: the layer packs them
+    one at a time (no second copy of the model at load), and Q4_K_M stores v in Q6_K beside
+    q and k in Q4_K. One with a part that has no kernel (F16, say) is fp32."""
+    widen = {IQ4_NL, Q5_0} if int8 else {IQ4_NL}
+    types = {_hf_name_for_gguf(t.name): QTYPES["q8_0"] if t.qtype in widen else int(t.qtype) for t in tensors}
+    hf = hf_tensors_from_gguf(tensors, config, keep_blocks=NATIVE_TYPES - widen, widen=widen)
+    qtypes: dict[str, int | tuple[int, ...]] = {}
     for fused, parts in fused_matrices(config, hf).items():
-        kinds = {types[p] if hf[p].dtype == torch.uint8 else None for p in parts}
-        if len(kinds) == 1 and None not in kinds:
-            qtypes[fused] = kinds.pop()
+        if all(hf[p].dtype == torch.uint8 for p in parts):
+            qtypes[fused] = types[parts[0]] if len(parts) == 1 else tuple(types[p] for p in parts)
             continue
         for p in parts:
             if hf[p].dtype == torch.uint8:
                 hf[p] = dequantize_blocks(hf[p], types[p])
-    return fuse_hf_tensors(hf, config), qtypes
+    return fuse_hf_tensors(hf, config, apart={n for n, t in qtypes.items() if isinstance(t, tuple)}), qtypes

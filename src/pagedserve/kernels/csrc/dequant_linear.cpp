@@ -1,13 +1,13 @@
-// y = x W^T + b in fp32, W read from the packed Q8_0 / Q4_0 / Q4_1 tiles of quant_linear
-// (quant_repack) and dequantised in registers: the fp32 model a GGUF file defines, at the
-// file's bytes per weight.
+// y = x W^T + b in fp32, W read from the packed tiles of quant_repack (quant_linear.h) and
+// dequantised in registers: the fp32 model a GGUF file defines, at about the file's bytes
+// per weight. Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K.
 //
-// Why: a GGUF's fp32 model is its blocks dequantised (w = d * q + m), so an fp32 layer built
-// from the file holds nothing the blocks do not; reading the blocks instead of the inflated
-// fp32 matrix moves ~0.16x (Q4_1) or ~0.27x (Q8_0) of the bytes, and batch-1 decode is bound
-// by those bytes. Unlike quant_linear the activations stay fp32, so the arithmetic is the fp32
-// model's: d * q is exact in fp32 (an 11-bit significand times at most 8 bits), hence so is
-// fma(q, d, m) = d * q + m rounded once, the value the loader's dequantisation gives.
+// Why: a GGUF's fp32 model is its blocks dequantised, so an fp32 layer built from the file
+// holds nothing the blocks do not; reading the blocks instead of the inflated fp32 matrix
+// moves 0.14-0.27x of the bytes, and batch-1 decode is bound by those bytes. The
+// activations stay fp32, so the arithmetic is the fp32 model's: each weight is
+// fma(code, d, m) with d and m exact fp32 numbers (d * code is exact: at most 24
+// significant bits), the value the loader's dequantisation gives, rounded once.
 //
 // Order: lane j of an accumulator is output column j, and each lane adds x[k] * w[k] for k =
 // 0, 1, ..., K-1, one fma per k. Row and column tiling, thread count and vector width change
@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <type_traits>
 
 #include "isa.h"
 #include "quant_linear.h"
@@ -27,145 +28,88 @@
 namespace pagedserve::quant {
 namespace {
 
-// The 32 weights of lane j's block, one ymm per k: column j's value k in lane j.
-// Q4: vector v's lane holds 4 bytes; low nibble of byte t is k = 8v + t, high nibble 8v + 4 + t.
-template <int S>
-inline __m256 q4_at(__m256i raw, __m256i low4, __m256 d, __m256 m) {
-  const __m256i q = S == 28 ? _mm256_srli_epi32(raw, 28) : _mm256_and_si256(_mm256_srli_epi32(raw, S), low4);
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
-}
-
-// Q8: chunk c's lane holds 4 signed bytes, byte t is k = 4c + t.
-template <int T>
-inline __m256 q8_at(__m256i raw, __m256 d) {
-  const __m256i q = _mm256_srai_epi32(T == 3 ? raw : _mm256_slli_epi32(raw, 24 - 8 * T), 24);
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(q), d);
-}
-
-template <int MR, int NT>
-struct Tile {
-  __m256 acc[MR][NT];
-
-  // k is the input index; w[t] the tile t weights at k. One fma per (row, tile).
-  inline void step(const float* x, int64_t ldx, int64_t k, const __m256 (&w)[NT]) {
-    for (int r = 0; r < MR; ++r) {
-      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
-      for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_fmadd_ps(xv, w[t], acc[r][t]);
+// One tile's 8 columns in a ymm.
+struct V8 {
+  using F = __m256;
+  using I = __m256i;
+  static constexpr int kTiles = 1;
+  static constexpr int64_t kCols = 8;
+  static I ld(const uint8_t* p, int64_t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static F ph(const uint8_t* p, int64_t) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F u8(const uint8_t* p, int64_t) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static F i8(const uint8_t* p, int64_t) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  template <int S> static I srli(I a) { return _mm256_srli_epi32(a, S); }
+  template <int S> static I slli(I a) { return _mm256_slli_epi32(a, S); }
+  template <int S> static I srai(I a) { return _mm256_srai_epi32(a, S); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static I seti(int v) { return _mm256_set1_epi32(v); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F zero() { return _mm256_setzero_ps(); }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F neg(F a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F bcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static void store(float* o, F y, const float* bias, int64_t ncols) {
+    if (bias != nullptr) y = _mm256_add_ps(y, _mm256_loadu_ps(bias));
+    if (ncols == kCols) {
+      _mm256_storeu_ps(o, y);
+    } else {
+      float tmp[kCols];
+      _mm256_storeu_ps(tmp, y);
+      std::memcpy(o, tmp, ncols * sizeof(float));
     }
   }
 };
 
-// MR rows x NT tiles (8 columns each) over all K/32 blocks. `tiles` is the first tile
-// group's blocks; group t's are `group_stride` bytes further.
-template <int MR, int NT, bool kQ8>
-void dq_tile(const uint8_t* tiles, int64_t group_stride, int64_t nb, const float* x, int64_t ldx, float* out,
-             int64_t ldo, int64_t ncols_last, const float* bias) {
-  const int64_t tb = kQ8 ? tile_bytes(kQ8_0) : tile_bytes(kQ4_1);
-  const __m256i low4 = _mm256_set1_epi32(0x0F);
-  Tile<MR, NT> tile;
-  for (int r = 0; r < MR; ++r)
-    for (int t = 0; t < NT; ++t) tile.acc[r][t] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256 d[NT], m[NT];
-    const uint8_t* blk[NT];
-    for (int t = 0; t < NT; ++t) {
-      blk[t] = tiles + t * group_stride + b * tb;
-      d[t] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[t])));
-      if constexpr (!kQ8) m[t] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[t] + 16)));
-    }
-    const int64_t k0 = b * kBlock;
-    if constexpr (kQ8) {
-      for (int c = 0; c < 8; ++c) {
-        __m256i raw[NT];
-        for (int t = 0; t < NT; ++t) raw[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[t] + 16 + 32 * c));
-        __m256 w[NT];
-        const int64_t k = k0 + 4 * c;
-        for (int t = 0; t < NT; ++t) w[t] = q8_at<0>(raw[t], d[t]);
-        tile.step(x, ldx, k, w);
-        for (int t = 0; t < NT; ++t) w[t] = q8_at<1>(raw[t], d[t]);
-        tile.step(x, ldx, k + 1, w);
-        for (int t = 0; t < NT; ++t) w[t] = q8_at<2>(raw[t], d[t]);
-        tile.step(x, ldx, k + 2, w);
-        for (int t = 0; t < NT; ++t) w[t] = q8_at<3>(raw[t], d[t]);
-        tile.step(x, ldx, k + 3, w);
-      }
-    } else {
-      for (int v = 0; v < 4; ++v) {
-        __m256i raw[NT];
-        for (int t = 0; t < NT; ++t) raw[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[t] + 32 + 32 * v));
-        __m256 w[NT];
-        const int64_t k = k0 + 8 * v;
-#define PAGEDSERVE_Q4_STEP(S, K_OFF)                                               \
-  for (int t = 0; t < NT; ++t) w[t] = q4_at<S>(raw[t], low4, d[t], m[t]); \
-  tile.step(x, ldx, k + (K_OFF), w);
-        PAGEDSERVE_Q4_STEP(0, 0)
-        PAGEDSERVE_Q4_STEP(8, 1)
-        PAGEDSERVE_Q4_STEP(16, 2)
-        PAGEDSERVE_Q4_STEP(24, 3)
-        PAGEDSERVE_Q4_STEP(4, 4)
-        PAGEDSERVE_Q4_STEP(12, 5)
-        PAGEDSERVE_Q4_STEP(20, 6)
-        PAGEDSERVE_Q4_STEP(28, 7)
-#undef PAGEDSERVE_Q4_STEP
-      }
-    }
-  }
-  for (int r = 0; r < MR; ++r) {
-    for (int t = 0; t < NT; ++t) {
-      __m256 y = tile.acc[r][t];
-      if (bias != nullptr) y = _mm256_add_ps(y, _mm256_loadu_ps(bias + t * kTileCols));
-      float* o = out + r * ldo + t * kTileCols;
-      const int64_t ncols = t == NT - 1 ? ncols_last : kTileCols;
-      if (ncols == kTileCols) {
-        _mm256_storeu_ps(o, y);
-      } else {
-        float tmp[kTileCols];
-        _mm256_storeu_ps(tmp, y);
-        std::memcpy(o, tmp, ncols * sizeof(float));
-      }
-    }
-  }
-}
+namespace avx2 {
+#include "dequant_tiles.inc"
+}  // namespace avx2
 
-// Dequantises `nt` tiles' values k0 .. k0 + kc - 1 into buf[kk][t * 8 + j] (fp32), the
-// same values dq_tile computes in registers.
-template <bool kQ8>
-void dequant_chunk(const uint8_t* tiles, int64_t group_stride, int nt, int64_t k0, int64_t kc, float* buf,
-                   int64_t ldb) {
-  const int64_t tb = kQ8 ? tile_bytes(kQ8_0) : tile_bytes(kQ4_1);
-  const __m256i low4 = _mm256_set1_epi32(0x0F);
-  for (int t = 0; t < nt; ++t) {
-    float* dst = buf + t * kTileCols;
-    for (int64_t b = k0 / kBlock; b < (k0 + kc) / kBlock; ++b) {
-      const uint8_t* blk = tiles + t * group_stride + b * tb;
-      float* o = dst + (b * kBlock - k0) * ldb;
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-      if constexpr (kQ8) {
-        for (int c = 0; c < 8; ++c) {
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
-          _mm256_storeu_ps(o + (4 * c) * ldb, q8_at<0>(raw, d));
-          _mm256_storeu_ps(o + (4 * c + 1) * ldb, q8_at<1>(raw, d));
-          _mm256_storeu_ps(o + (4 * c + 2) * ldb, q8_at<2>(raw, d));
-          _mm256_storeu_ps(o + (4 * c + 3) * ldb, q8_at<3>(raw, d));
-        }
-      } else {
-        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
-        for (int v = 0; v < 4; ++v) {
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 32 * v));
-          float* ov = o + 8 * v * ldb;
-          _mm256_storeu_ps(ov, q4_at<0>(raw, low4, d, m));
-          _mm256_storeu_ps(ov + 1 * ldb, q4_at<8>(raw, low4, d, m));
-          _mm256_storeu_ps(ov + 2 * ldb, q4_at<16>(raw, low4, d, m));
-          _mm256_storeu_ps(ov + 3 * ldb, q4_at<24>(raw, low4, d, m));
-          _mm256_storeu_ps(ov + 4 * ldb, q4_at<4>(raw, low4, d, m));
-          _mm256_storeu_ps(ov + 5 * ldb, q4_at<12>(raw, low4, d, m));
-          _mm256_storeu_ps(ov + 6 * ldb, q4_at<20>(raw, low4, d, m));
-          _mm256_storeu_ps(ov + 7 * ldb, q4_at<28>(raw, low4, d, m));
-        }
-      }
-    }
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+// Two tiles' 16 columns in a zmm (the first tile in the low half).
+struct V16 {
+  using F = __m512;
+  using I = __m512i;
+  static constexpr int kTiles = 2;
+  static constexpr int64_t kCols = 16;
+  static I ld(const uint8_t* p, int64_t s) { return pair512(p, p + s); }
+  static F ph(const uint8_t* p, int64_t s) { return halves512(p, p + s); }
+  static __m128i bytes(const uint8_t* p, int64_t s) {
+    return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)),
+                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + s)));
   }
-}
+  static F u8(const uint8_t* p, int64_t s) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(p, s))); }
+  static F i8(const uint8_t* p, int64_t s) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(p, s))); }
+  template <int S> static I srli(I a) { return _mm512_srli_epi32(a, S); }
+  template <int S> static I slli(I a) { return _mm512_slli_epi32(a, S); }
+  template <int S> static I srai(I a) { return _mm512_srai_epi32(a, S); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static I seti(int v) { return _mm512_set1_epi32(v); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F neg(F a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F bcast(const float* p) { return _mm512_set1_ps(*p); }
+  static void store(float* o, F y, const float* bias, int64_t) {  // whole vectors only
+    if (bias != nullptr) y = _mm512_add_ps(y, _mm512_loadu_ps(bias));
+    _mm512_storeu_ps(o, y);
+  }
+};
+
+namespace avx512 {
+#include "dequant_tiles.inc"
+}  // namespace avx512
+#pragma GCC pop_options
 
 // acc (MR rows x NT tiles, kept in `out` between chunks) += x[:, k0:k0+kc] * buf: the
 // classic register-blocked fp32 micro-kernel, one fma per (row, column, k) in k order.
@@ -292,16 +236,15 @@ struct Gemm {
   }
 };
 
-// Rows from kInRegisterRows (AVX-512: kInRegisterRows512) up: tiles a group at a time, each chunk of K dequantised once into
-// an L1 buffer and used by every row; partial sums wait in `out` (a float stored and
-// reloaded is the same float, so the order stays k = 0, 1, ...). A group cut short by the
-// end of the matrix (or its padded last tile) accumulates in a scratch tile whose
-// zero-scale columns are computed and cut off.
-template <bool kQ8, bool kAvx512>
-void run_gemm(int64_t tile0, int64_t ntiles, int64_t m, const uint8_t* tiles, int64_t nb, const float* x, int64_t k,
-              float* out, int64_t out_features, const float* bias) {
+// Rows from kInRegisterRows (AVX-512: kInRegisterRows512) up: tiles a group at a time, each
+// chunk of K dequantised once into an L1 buffer and used by every row; partial sums wait in
+// `out` (a float stored and reloaded is the same float, so the order stays k = 0, 1, ...).
+// A group cut short by the end of the matrix (or its padded last tile) accumulates in a
+// scratch tile whose zero-scale columns are computed and cut off.
+template <int64_t kType, bool kAvx512>
+void run_gemm(int64_t tile0, int64_t ntiles, int64_t m, const uint8_t* tiles, int64_t stride, const float* x,
+              int64_t k, float* out, int64_t out_features, const float* bias) {
   using G = Gemm<kAvx512>;
-  const int64_t stride = nb * (kQ8 ? tile_bytes(kQ8_0) : tile_bytes(kQ4_1));
   alignas(64) float buf[kChunk * G::kLdb];
   alignas(64) float acc[G::kRows * G::kLdb];
   // Rows a block at a time, so that a block of x stays in L2 while every group passes
@@ -315,7 +258,7 @@ void run_gemm(int64_t tile0, int64_t ntiles, int64_t m, const uint8_t* tiles, in
       if (!direct) std::memset(buf, 0, sizeof(buf));  // the missing tiles' columns stay 0
       for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
         const int64_t kc = std::min(kChunk, k - k0);
-        dequant_chunk<kQ8>(tiles + g * stride, stride, nt, k0, kc, buf, G::kLdb);
+        avx2::dequant_chunk<V8, kType>(tiles + g * stride, stride, nt, k0, kc, buf, G::kLdb);
         for (int64_t r = r0; r < r1; r += G::kRows) {
           const int64_t rows = std::min<int64_t>(G::kRows, r1 - r);
           float* o = out + r * out_features + g * kTileCols;
@@ -339,120 +282,47 @@ void run_gemm(int64_t tile0, int64_t ntiles, int64_t m, const uint8_t* tiles, in
   }
 }
 
-// Rows below kInRegisterRows (AVX-512: kInRegisterRows512): the weights dequantised in registers as they are used, four
-// tiles at a time so that enough independent fma chains hide the fma latency at one row.
+// Rows below kInRegisterRows (AVX-512: kInRegisterRows512): the weights dequantised in
+// registers as they are used, four tiles at a time so that enough independent fma chains
+// hide the fma latency at one row.
 constexpr int64_t kInRegisterRows = 4;
 // With AVX-512's 32 registers a four-tile group holds 5 rows' accumulators (10 zmm); at
 // 4-5 rows that ran 1.3-2.7x the GEMM path, at 6 (spilling) slower than it.
 constexpr int64_t kInRegisterRows512 = 6;
 
-template <int NT, bool kQ8>
-void rows_dq(int64_t rows, const uint8_t* tiles, int64_t group_stride, int64_t nb, const float* x, int64_t ldx,
-             float* out, int64_t ldo, int64_t ncols_last, const float* bias) {
+template <int64_t kType, int NT>
+void rows_avx2(int64_t rows, const uint8_t* tiles, int64_t stride, int64_t nb, const float* x, int64_t ldx,
+               float* out, int64_t ldo, int64_t ncols_last, const float* bias) {
   switch (rows) {
-    case 1: return dq_tile<1, NT, kQ8>(tiles, group_stride, nb, x, ldx, out, ldo, ncols_last, bias);
-    case 2: return dq_tile<2, NT, kQ8>(tiles, group_stride, nb, x, ldx, out, ldo, ncols_last, bias);
-    default: return dq_tile<3, NT, kQ8>(tiles, group_stride, nb, x, ldx, out, ldo, ncols_last, bias);
+    case 1: return avx2::dq_regs<V8, kType, 1, NT>(tiles, stride, nb, x, ldx, out, ldo, ncols_last, bias);
+    case 2: return avx2::dq_regs<V8, kType, 2, NT>(tiles, stride, nb, x, ldx, out, ldo, ncols_last, bias);
+    default: return avx2::dq_regs<V8, kType, 3, NT>(tiles, stride, nb, x, ldx, out, ldo, ncols_last, bias);
   }
 }
 
-// The in-register path on AVX-512 for a whole group of four tiles: one zmm holds two
-// tiles' 16 columns, so each dequantising instruction does twice the work. Lanes and their
-// k order are the ones above.
-template <int S>
-__attribute__((target("avx512f"))) inline __m512 q4_at512(__m512i raw, __m512i low4, __m512 d, __m512 m) {
-  const __m512i q = S == 28 ? _mm512_srli_epi32(raw, 28) : _mm512_and_si512(_mm512_srli_epi32(raw, S), low4);
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, m);
-}
-
-template <int T>
-__attribute__((target("avx512f"))) inline __m512 q8_at512(__m512i raw, __m512 d) {
-  const __m512i q = _mm512_srai_epi32(T == 3 ? raw : _mm512_slli_epi32(raw, 24 - 8 * T), 24);
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(q), d);
-}
-
-template <int MR>
-__attribute__((target("avx512f"))) inline void step512(const float* x, int64_t ldx, int64_t k, __m512 w0, __m512 w1,
-                                                         __m512 (&acc)[MR][2]) {
-#pragma GCC unroll 4
-  for (int r = 0; r < MR; ++r) {
-    const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
-    acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
-    acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
-  }
-}
-
-template <int MR, bool kQ8>
-__attribute__((target("avx512f"))) void dq_quad512(const uint8_t* tiles, int64_t stride, int64_t nb, const float* x,
-                                                     int64_t ldx, float* out, int64_t ldo, const float* bias) {
-  const int64_t tb = kQ8 ? tile_bytes(kQ8_0) : tile_bytes(kQ4_1);
-  const __m512i low4 = _mm512_set1_epi32(0x0F);
-  __m512 acc[MR][2];
-#pragma GCC unroll 4
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* t0 = tiles + b * tb;
-    const uint8_t *t1 = t0 + stride, *t2 = t1 + stride, *t3 = t2 + stride;
-    const __m512 d0 = halves512(t0, t1), d1 = halves512(t2, t3);
-    const int64_t k0 = b * kBlock;
-    if constexpr (kQ8) {
-      for (int c = 0; c < 8; ++c) {
-        const int64_t off = 16 + 32 * c, k = k0 + 4 * c;
-        const __m512i r0 = pair512(t0 + off, t1 + off), r1 = pair512(t2 + off, t3 + off);
-        step512<MR>(x, ldx, k, q8_at512<0>(r0, d0), q8_at512<0>(r1, d1), acc);
-        step512<MR>(x, ldx, k + 1, q8_at512<1>(r0, d0), q8_at512<1>(r1, d1), acc);
-        step512<MR>(x, ldx, k + 2, q8_at512<2>(r0, d0), q8_at512<2>(r1, d1), acc);
-        step512<MR>(x, ldx, k + 3, q8_at512<3>(r0, d0), q8_at512<3>(r1, d1), acc);
-      }
-    } else {
-      const __m512 m0 = halves512(t0 + 16, t1 + 16), m1 = halves512(t2 + 16, t3 + 16);
-      for (int v = 0; v < 4; ++v) {
-        const int64_t off = 32 + 32 * v, k = k0 + 8 * v;
-        const __m512i r0 = pair512(t0 + off, t1 + off), r1 = pair512(t2 + off, t3 + off);
-#define PAGEDSERVE_Q4_STEP512(S, K_OFF) \
-  step512<MR>(x, ldx, k + (K_OFF), q4_at512<S>(r0, low4, d0, m0), q4_at512<S>(r1, low4, d1, m1), acc);
-        PAGEDSERVE_Q4_STEP512(0, 0)
-        PAGEDSERVE_Q4_STEP512(8, 1)
-        PAGEDSERVE_Q4_STEP512(16, 2)
-        PAGEDSERVE_Q4_STEP512(24, 3)
-        PAGEDSERVE_Q4_STEP512(4, 4)
-        PAGEDSERVE_Q4_STEP512(12, 5)
-        PAGEDSERVE_Q4_STEP512(20, 6)
-        PAGEDSERVE_Q4_STEP512(28, 7)
-#undef PAGEDSERVE_Q4_STEP512
-      }
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < MR; ++r) {
-    store_row512(out + r * ldo, acc[r][0], acc[r][1], bias);
-  }
-}
-
-template <bool kQ8>
-void rows_quad512(int64_t rows, const uint8_t* tiles, int64_t stride, int64_t nb, const float* x, int64_t ldx,
-                  float* out, int64_t ldo, const float* bias) {
+template <int64_t kType>
+void rows_avx512(int64_t rows, const uint8_t* tiles, int64_t stride, int64_t nb, const float* x, int64_t ldx,
+                 float* out, int64_t ldo, const float* bias) {
   switch (rows) {
-    case 1: return dq_quad512<1, kQ8>(tiles, stride, nb, x, ldx, out, ldo, bias);
-    case 2: return dq_quad512<2, kQ8>(tiles, stride, nb, x, ldx, out, ldo, bias);
-    case 3: return dq_quad512<3, kQ8>(tiles, stride, nb, x, ldx, out, ldo, bias);
-    case 4: return dq_quad512<4, kQ8>(tiles, stride, nb, x, ldx, out, ldo, bias);
-    default: return dq_quad512<5, kQ8>(tiles, stride, nb, x, ldx, out, ldo, bias);
+    case 1: return avx512::dq_regs<V16, kType, 1, 2>(tiles, stride, nb, x, ldx, out, ldo, 16, bias);
+    case 2: return avx512::dq_regs<V16, kType, 2, 2>(tiles, stride, nb, x, ldx, out, ldo, 16, bias);
+    case 3: return avx512::dq_regs<V16, kType, 3, 2>(tiles, stride, nb, x, ldx, out, ldo, 16, bias);
+    case 4: return avx512::dq_regs<V16, kType, 4, 2>(tiles, stride, nb, x, ldx, out, ldo, 16, bias);
+    default: return avx512::dq_regs<V16, kType, 5, 2>(tiles, stride, nb, x, ldx, out, ldo, 16, bias);
   }
 }
 
-template <bool kQ8>
-void run_in_registers(int64_t tile0, int64_t ntiles, int64_t m, const uint8_t* tiles, int64_t nb, const float* x,
-                      int64_t k, float* out, int64_t out_features, const float* bias, bool avx512) {
-  const int64_t stride = nb * (kQ8 ? tile_bytes(kQ8_0) : tile_bytes(kQ4_1));
+template <int64_t kType>
+void run_in_registers(int64_t tile0, int64_t ntiles, int64_t m, const uint8_t* tiles, int64_t stride, int64_t nb,
+                      const float* x, int64_t k, float* out, int64_t out_features, const float* bias, bool avx512) {
   for (int64_t g = tile0; g < tile0 + ntiles;) {
     const int64_t nt = std::min<int64_t>(4, tile0 + ntiles - g);
     const int64_t ncols_last = std::min(kTileCols, out_features - (g + nt - 1) * kTileCols);
     const float* bias_g = bias ? bias + g * kTileCols : nullptr;
     const uint8_t* t0 = tiles + g * stride;
     float* o = out + g * kTileCols;
-    if (avx512 && nt == 4 && ncols_last == kTileCols) {
-      rows_quad512<kQ8>(m, t0, stride, nb, x, k, o, out_features, bias_g);
+    if (avx512 && nt == 4 && ncols_last == kTileCols) {  // a whole group of four tiles
+      rows_avx512<kType>(m, t0, stride, nb, x, k, o, out_features, bias_g);
       g += nt;
       continue;
     }
@@ -461,14 +331,25 @@ void run_in_registers(int64_t tile0, int64_t ntiles, int64_t m, const uint8_t* t
       const float* xr = x + r * k;
       float* orow = o + r * out_features;
       switch (nt) {
-        case 4: rows_dq<4, kQ8>(rows, t0, stride, nb, xr, k, orow, out_features, ncols_last, bias_g); break;
-        case 3: rows_dq<3, kQ8>(rows, t0, stride, nb, xr, k, orow, out_features, ncols_last, bias_g); break;
-        case 2: rows_dq<2, kQ8>(rows, t0, stride, nb, xr, k, orow, out_features, ncols_last, bias_g); break;
-        default: rows_dq<1, kQ8>(rows, t0, stride, nb, xr, k, orow, out_features, ncols_last, bias_g); break;
+        case 4: rows_avx2<kType, 4>(rows, t0, stride, nb, xr, k, orow, out_features, ncols_last, bias_g); break;
+        case 3: rows_avx2<kType, 3>(rows, t0, stride, nb, xr, k, orow, out_features, ncols_last, bias_g); break;
+        case 2: rows_avx2<kType, 2>(rows, t0, stride, nb, xr, k, orow, out_features, ncols_last, bias_g); break;
+        default: rows_avx2<kType, 1>(rows, t0, stride, nb, xr, k, orow, out_features, ncols_last, bias_g); break;
       }
     }
     g += nt;
   }
+}
+
+template <int64_t kType>
+void run(int64_t t0, int64_t nt, int64_t m, const uint8_t* tiles, int64_t stride, int64_t nb, const float* x,
+         int64_t k, float* out, int64_t out_features, const float* bias, bool avx512) {
+  if (m < (avx512 ? kInRegisterRows512 : kInRegisterRows))
+    run_in_registers<kType>(t0, nt, m, tiles, stride, nb, x, k, out, out_features, bias, avx512);
+  else if (avx512)
+    run_gemm<kType, true>(t0, nt, m, tiles, stride, x, k, out, out_features, bias);
+  else
+    run_gemm<kType, false>(t0, nt, m, tiles, stride, x, k, out, out_features, bias);
 }
 
 at::Tensor dequant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t out_features,
@@ -479,22 +360,24 @@ at::Tensor dequant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
   const uint8_t* tiles = packed.data_ptr<uint8_t>();
   const float* bias_ptr = bias.has_value() ? bias_padded.data_ptr<float>() : nullptr;
   float* dst = out.data_ptr<float>();
+  const int64_t stride = packed.size(1) * packed.size(2);  // bytes from one tile's weights to the next's
   // Tiles are split across threads in groups of four; each task's weights stay in L1/L2
   // while it walks the rows (four Q4 tiles over K = 1,536 are 30 KB).
   const int64_t groups = (ng + 3) / 4;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, m * k * 4 * kTileCols));
-  const bool avx512 = use_avx512(), in_registers = m < (avx512 ? kInRegisterRows512 : kInRegisterRows);
+  const bool avx512 = use_avx512();
   mark_isa_path(avx512 ? IsaPath::kDequantLinearAvx512 : IsaPath::kDequantLinearAvx2);
   at::parallel_for(0, groups, grain, [&](int64_t p0, int64_t p1) {
     const int64_t t0 = 4 * p0, nt = std::min(4 * p1, ng) - t0;
-    if (qtype == kQ8_0) {
-      if (in_registers) run_in_registers<true>(t0, nt, m, tiles, nb, src, k, dst, out_features, bias_ptr, avx512);
-      else if (avx512) run_gemm<true, true>(t0, nt, m, tiles, nb, src, k, dst, out_features, bias_ptr);
-      else run_gemm<true, false>(t0, nt, m, tiles, nb, src, k, dst, out_features, bias_ptr);
-    } else {
-      if (in_registers) run_in_registers<false>(t0, nt, m, tiles, nb, src, k, dst, out_features, bias_ptr, avx512);
-      else if (avx512) run_gemm<false, true>(t0, nt, m, tiles, nb, src, k, dst, out_features, bias_ptr);
-      else run_gemm<false, false>(t0, nt, m, tiles, nb, src, k, dst, out_features, bias_ptr);
+    switch (qtype) {
+      case kQ8_0: return run<kQ8_0>(t0, nt, m, tiles, stride, nb, src, k, dst, out_features, bias_ptr, avx512);
+      case kQ4_0:  // Q4_0's tiles are Q4_1's (m = -8d)
+      case kQ4_1: return run<kQ4_1>(t0, nt, m, tiles, stride, nb, src, k, dst, out_features, bias_ptr, avx512);
+      case kQ5_0:  // likewise with m = -16d
+      case kQ5_1: return run<kQ5_1>(t0, nt, m, tiles, stride, nb, src, k, dst, out_features, bias_ptr, avx512);
+      case kQ4_K: return run<kQ4_K>(t0, nt, m, tiles, stride, nb, src, k, dst, out_features, bias_ptr, avx512);
+      case kQ5_K: return run<kQ5_K>(t0, nt, m, tiles, stride, nb, src, k, dst, out_features, bias_ptr, avx512);
+      case kQ6_K: return run<kQ6_K>(t0, nt, m, tiles, stride, nb, src, k, dst, out_features, bias_ptr, avx512);
     }
   });
   return out;

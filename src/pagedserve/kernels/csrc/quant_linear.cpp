@@ -35,12 +35,6 @@ namespace {
 
 constexpr int64_t kRowTile = 4;  // rows sharing each weight load; 4 fp32 accumulators + temporaries fit 16 ymm
 
-inline uint16_t load_u16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return v;
-}
-
 inline int32_t load_i32(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -52,59 +46,6 @@ inline int32_t hsum_epi32(__m256i v) {
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
   return _mm_cvtsi128_si32(s);
-}
-
-// fp16 bits of -8 * (fp16 bits h): exact, a power-of-two scaling of a small number.
-inline uint16_t neg8_half(uint16_t h) {
-  const float d = _cvtsh_ss(h);
-  return _cvtss_sh(-8.0f * d, _MM_FROUND_TO_NEAREST_INT);
-}
-
-void check_qtype(int64_t qtype) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0,
-              "quant: qtype must be a GGML type id of Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", qtype);
-}
-
-// GGUF blocks [N, K/32 * block bytes] -> packed tiles [ceil(N/8), K/32, tile bytes];
-// columns past N in the last tile are zero (scale 0), so they add nothing.
-at::Tensor quant_repack(const at::Tensor& blocks, int64_t qtype) {
-  check_qtype(qtype);
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
-              "quant_repack: blocks must be a contiguous uint8 [rows, row bytes] tensor");
-  const int64_t bb = gguf_block_bytes(qtype);
-  TORCH_CHECK(blocks.size(1) % bb == 0, "quant_repack: row bytes ", blocks.size(1), " not a multiple of ", bb);
-  const int64_t n = blocks.size(0), nb = blocks.size(1) / bb, ng = (n + kTileCols - 1) / kTileCols;
-  const int64_t tb = tile_bytes(qtype);
-  at::Tensor packed = at::zeros({ng, nb, tb}, blocks.options());
-  const uint8_t* src = blocks.data_ptr<uint8_t>();
-  uint8_t* dst = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, ng, 64, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* tile = dst + (g * nb + b) * tb;
-        for (int64_t j = 0; j < kTileCols && g * kTileCols + j < n; ++j) {
-          const uint8_t* blk = src + (g * kTileCols + j) * nb * bb + b * bb;
-          std::memcpy(tile + 2 * j, blk, 2);  // d
-          if (qtype == kQ8_0) {
-            for (int c = 0; c < 8; ++c) std::memcpy(tile + 16 + 32 * c + 4 * j, blk + 2 + 4 * c, 4);
-            continue;
-          }
-          const uint8_t* qs = blk + (qtype == kQ4_1 ? 4 : 2);
-          const uint16_t m = qtype == kQ4_1 ? load_u16(blk + 2) : neg8_half(load_u16(blk));
-          std::memcpy(tile + 16 + 2 * j, &m, 2);
-          uint8_t values[kBlock];
-          for (int i = 0; i < 16; ++i) {
-            values[i] = qs[i] & 0x0F;
-            values[i + 16] = qs[i] >> 4;
-          }
-          for (int v = 0; v < 4; ++v)
-            for (int t = 0; t < 4; ++t)
-              tile[32 + 32 * v + 4 * j + t] = values[8 * v + t] | (values[8 * v + 4 + t] << 4);
-        }
-      }
-    }
-  });
-  return packed;
 }
 
 // One row of fp32 -> int8 per block of 32: scale = amax / 127, q = round-half-even(x * 127 / amax)
@@ -327,6 +268,8 @@ void offset_bytes(const int8_t* src, int64_t n, int8_t* dst) {
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t out_features,
                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0,
+              "quant_linear: qtype must be a GGML type id of Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", qtype);
   auto [in, out, bias_padded, k, nb, ng, m] = check_tiled_linear("quant_linear", x, packed, qtype, out_features, bias);
   if (m == 0) return out;
 
@@ -393,15 +336,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t q
 
 TiledLinear check_tiled_linear(const char* op, const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
                                int64_t out_features, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, op,
-              ": qtype must be a GGML type id of Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", qtype);
+  const PackedLayout layout = packed_layout(qtype);
+  TORCH_CHECK(layout.blocks != 0, op, ": qtype ", qtype, " is not a GGML type id quant_repack packs");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1, op, ": x must be float32");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
-                  packed.size(2) == tile_bytes(qtype),
+                  packed.size(2) == layout.super_bytes(),
               op, ": packed must come from quant_repack with the same qtype");
   TiledLinear a;
   a.k = x.size(-1);
-  a.nb = packed.size(1);
+  a.nb = packed.size(1) * layout.blocks;
   a.ng = packed.size(0);
   TORCH_CHECK(a.k == a.nb * kBlock, op, ": x has ", a.k, " input features, the weight ", a.nb * kBlock);
   TORCH_CHECK(out_features > (a.ng - 1) * kTileCols && out_features <= a.ng * kTileCols, op, ": out_features ",
@@ -421,7 +364,6 @@ TiledLinear check_tiled_linear(const char* op, const at::Tensor& x, const at::Te
 }
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-  m.def("quant_repack(Tensor blocks, int qtype) -> Tensor", &quant_repack);
   m.def("quant_linear(Tensor x, Tensor packed, int qtype, int out_features, Tensor? bias) -> Tensor", &quant_linear);
 }
 

@@ -1,7 +1,11 @@
-// Weight-only quantised linear layers with llama.cpp's block formats (GGML type ids):
+// Weight-only quantised linear layers on llama.cpp's block formats (GGML type ids):
 //   Q4_0 (2):  fp16 d, 16 bytes of nibbles          w = d * (q - 8)
 //   Q4_1 (3):  fp16 d, fp16 m, 16 bytes of nibbles  w = d * q + m
+//   Q5_0 (6), Q5_1 (7): as Q4_0 / Q4_1 with a fifth bit per value (q - 16 for Q5_0)
 //   Q8_0 (8):  fp16 d, 32 int8                      w = d * q
+//   Q4_K (12), Q5_K (13): super-blocks of 256 = 8 blocks of 32, fp16 d and dmin, a 6-bit
+//     scale s and min n per block: w = (d * s) * q - (dmin * n), q of 4 or 5 bits
+//   Q6_K (14): super-blocks of 256, fp16 d, an int8 scale per 16 values: w = (d * s) * (q - 32)
 // A block covers 32 consecutive input values of one output row; in a 4-bit block byte j
 // holds value j in its low nibble and value j + 16 in its high nibble.
 #pragma once
@@ -16,25 +20,44 @@ namespace pagedserve::quant {
 constexpr int64_t kBlock = 32;    // input values per block
 constexpr int64_t kTileCols = 8;  // output columns interleaved in a packed tile (one ymm of fp32 results)
 
-enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
-// Bytes of one block as GGUF stores it.
-inline int64_t gguf_block_bytes(int64_t qtype) {
+// How quant_repack lays out a type's weights for 8 output columns: per super-block (256
+// values for K-quants, one block of 32 otherwise) a header, then one tile per block of 32.
+// Within a tile, lane j (4 bytes of each 32-byte vector) belongs to column j:
+//   Q8_0:       [8 fp16 d][8 x 32: chunk c holds values 4c..4c+3]
+//   Q4_0, Q4_1: [8 fp16 d][8 fp16 m][4 x 32: vector v's byte t holds value 8v+t low, 8v+4+t high]
+//               (Q4_0 stores m = -8d, exact in fp16)
+//   Q5_0, Q5_1: the Q4 tile, then 32 bytes whose lane bit i is value i's fifth bit (m = -16d)
+//   Q4_K, Q5_K: header [8 fp16 d][8 fp16 dmin]; tile [8 u8 s][8 u8 n][nibbles as Q4][Q5's bits]
+//   Q6_K:       header [8 fp16 d]; tile [8 int8 s of values 0-15][8 of 16-31][nibbles as Q4]
+//               [2 x 32: vector h's lane bits 2i, 2i+1 are value 16h+i's bits 4 and 5]
+// Each value is then one fma of its integer code with two fp32 numbers made exactly from
+// the file's (d * s has at most 18 significant bits): the fp32 value the file defines.
+struct PackedLayout {
+  int64_t blocks;      // blocks of 32 per super-block (0: a type with no layout)
+  int64_t header;      // header bytes per super-block
+  int64_t tile;        // bytes per block tile
+  int64_t gguf_bytes;  // bytes of one GGUF block (of 32 or 256 values)
+  constexpr int64_t super_bytes() const { return header + blocks * tile; }
+};
+
+constexpr PackedLayout packed_layout(int64_t qtype) {
   switch (qtype) {
-    case kQ4_0: return 18;
-    case kQ4_1: return 20;
-    case kQ8_0: return 34;
-    default: return 0;
+    case kQ4_0: return {1, 0, 32 + 128, 18};
+    case kQ4_1: return {1, 0, 32 + 128, 20};
+    case kQ5_0: return {1, 0, 32 + 128 + 32, 22};
+    case kQ5_1: return {1, 0, 32 + 128 + 32, 24};
+    case kQ8_0: return {1, 0, 16 + 256, 34};
+    case kQ4_K: return {8, 32, 16 + 128, 144};
+    case kQ5_K: return {8, 32, 16 + 128 + 32, 176};
+    case kQ6_K: return {8, 16, 16 + 128 + 64, 210};
+    default: return {0, 0, 0, 0};
   }
 }
 
-// Bytes of one packed tile (8 columns x one block). Q8_0: 8 fp16 scales, then eight
-// 32-byte chunks; chunk c holds bytes 4c..4c+3 of each column's block (column j in
-// 32-bit lane j), so one 4-byte broadcast of the activations meets all 8 columns.
-// Q4_0 and Q4_1 share a layout: 8 fp16 scales, 8 fp16 mins (Q4_0 stores m = -8d, exact
-// in fp16), then four 32-byte vectors whose low nibbles are chunk 2v and high nibbles
-// chunk 2v+1 in the same lane order.
-inline int64_t tile_bytes(int64_t qtype) { return qtype == kQ8_0 ? 16 + 8 * 32 : 32 + 4 * 32; }
+// Bytes of one Q4_0 / Q4_1 / Q8_0 tile (the int8 op's types: one block per super-block).
+inline int64_t tile_bytes(int64_t qtype) { return packed_layout(qtype).tile; }
 
 // The arguments of a linear op on packed tiles, checked (errors name `op`), with the
 // output allocated and the bias padded to whole tiles (the epilogues read a full tile).

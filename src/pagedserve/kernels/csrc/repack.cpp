@@ -1,0 +1,177 @@
+// GGUF blocks -> the packed tiles the linear ops read (quant_linear.h's PackedLayout).
+//
+// Each GGUF block is decoded to its values' integer codes and its scales as stored, then
+// written into the tile lanes of its column: nothing is rounded, so the tiles define the
+// same numbers as the file (tests/test_dequant_linear.py checks every type against gguf's
+// own dequantiser).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+#include "quant_linear.h"
+#include "vec.h"
+
+namespace pagedserve::quant {
+namespace {
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// fp16 bits of -scale * (fp16 bits h), a power of two: exact unless it overflows fp16.
+inline uint16_t scaled_half(uint16_t h, float scale) {
+  const float v = -scale * _cvtsh_ss(h);
+  TORCH_CHECK(std::abs(v) <= 65504.0f, "quant_repack: a block scale of ", _cvtsh_ss(h),
+              " has no exact fp16 offset; the block cannot be packed");
+  return _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+}
+
+// One column's 32 codes (0..63) into a nibble-family tile at `tile` (after its scale bytes
+// `scale_bytes`), with `hi_bits` (0, 1 or 2) bits above the nibble in planes after it.
+void put_codes(uint8_t* tile, int64_t scale_bytes, int hi_bits, int j, const uint8_t (&q)[kBlock]) {
+  uint8_t* nib = tile + scale_bytes;
+  for (int v = 0; v < 4; ++v)
+    for (int t = 0; t < 4; ++t) nib[32 * v + 4 * j + t] = (q[8 * v + t] & 0x0F) | ((q[8 * v + 4 + t] & 0x0F) << 4);
+  uint8_t* hi = nib + 128;
+  if (hi_bits == 1) {
+    uint32_t bits = 0;
+    for (int i = 0; i < 32; ++i) bits |= uint32_t{(q[i] >> 4) & 1u} << i;
+    std::memcpy(hi + 4 * j, &bits, 4);
+  } else if (hi_bits == 2) {
+    for (int h = 0; h < 2; ++h) {
+      uint32_t bits = 0;
+      for (int i = 0; i < 16; ++i) bits |= uint32_t{(q[16 * h + i] >> 4) & 3u} << (2 * i);
+      std::memcpy(hi + 32 * h + 4 * j, &bits, 4);
+    }
+  }
+}
+
+// Q4_K / Q5_K's 6-bit scale and min of block s, packed in 12 bytes (ggml's get_scale_min_k4).
+inline void k4_scale_min(const uint8_t* sc, int s, uint8_t& scale, uint8_t& min) {
+  if (s < 4) {
+    scale = sc[s] & 63;
+    min = sc[s + 4] & 63;
+  } else {
+    scale = (sc[s + 4] & 0x0F) | ((sc[s - 4] >> 6) << 4);
+    min = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
+  }
+}
+
+// Column j's GGUF block `src` into super-tile `dst` (header, then the block tiles).
+void pack_column(int64_t qtype, const uint8_t* src, uint8_t* dst, int j) {
+  const PackedLayout L = packed_layout(qtype);
+  uint8_t q[kBlock];
+  switch (qtype) {
+    case kQ8_0:
+      std::memcpy(dst + 2 * j, src, 2);
+      for (int c = 0; c < 8; ++c) std::memcpy(dst + 16 + 32 * c + 4 * j, src + 2 + 4 * c, 4);
+      return;
+    case kQ4_0:
+    case kQ4_1: {
+      const uint8_t* qs = src + (qtype == kQ4_1 ? 4 : 2);
+      const uint16_t m = qtype == kQ4_1 ? load_u16(src + 2) : scaled_half(load_u16(src), 8.0f);
+      std::memcpy(dst + 2 * j, src, 2);
+      std::memcpy(dst + 16 + 2 * j, &m, 2);
+      for (int i = 0; i < 16; ++i) {
+        q[i] = qs[i] & 0x0F;
+        q[i + 16] = qs[i] >> 4;
+      }
+      return put_codes(dst, 32, 0, j, q);
+    }
+    case kQ5_0:
+    case kQ5_1: {
+      const int64_t at = qtype == kQ5_1 ? 4 : 2;
+      const uint32_t qh = load_u32(src + at);
+      const uint8_t* qs = src + at + 4;
+      const uint16_t m = qtype == kQ5_1 ? load_u16(src + 2) : scaled_half(load_u16(src), 16.0f);
+      std::memcpy(dst + 2 * j, src, 2);
+      std::memcpy(dst + 16 + 2 * j, &m, 2);
+      for (int i = 0; i < 16; ++i) {
+        q[i] = (qs[i] & 0x0F) | (((qh >> i) & 1) << 4);
+        q[i + 16] = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+      }
+      return put_codes(dst, 32, 1, j, q);
+    }
+    case kQ4_K:
+    case kQ5_K: {
+      const bool five = qtype == kQ5_K;
+      const uint8_t* scales = src + 4;
+      const uint8_t* qh = src + 16;
+      const uint8_t* qs = src + (five ? 48 : 16);
+      std::memcpy(dst + 2 * j, src, 2);
+      std::memcpy(dst + 16 + 2 * j, src + 2, 2);
+      for (int s = 0; s < 8; ++s) {  // block s: nibbles of bytes 32 (s / 2) .. + 31, low for even s
+        uint8_t* tile = dst + L.header + s * L.tile;
+        k4_scale_min(scales, s, tile[j], tile[8 + j]);
+        const uint8_t* bytes = qs + 32 * (s / 2);
+        for (int l = 0; l < 32; ++l) {
+          q[l] = (s % 2 ? bytes[l] >> 4 : bytes[l] & 0x0F);
+          if (five) q[l] |= ((qh[l] >> s) & 1) << 4;
+        }
+        put_codes(tile, 16, five ? 1 : 0, j, q);
+      }
+      return;
+    }
+    case kQ6_K: {
+      const uint8_t *ql = src, *qh = src + 128;
+      const int8_t* scales = reinterpret_cast<const int8_t*>(src + 192);
+      std::memcpy(dst + 2 * j, src + 208, 2);
+      for (int s = 0; s < 8; ++s) {
+        // Value y = 128n + 32k + l sits in ql[64n + l (+32 for odd k)] (low nibble for
+        // k < 2) and bits 2k, 2k+1 of qh[32n + l].
+        const int n = s / 4, k = s % 4;
+        uint8_t* tile = dst + L.header + s * L.tile;
+        std::memcpy(tile + j, &scales[2 * s], 1);
+        std::memcpy(tile + 8 + j, &scales[2 * s + 1], 1);
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t low = ql[64 * n + l + 32 * (k % 2)];
+          q[l] = (k < 2 ? low & 0x0F : low >> 4) | (((qh[32 * n + l] >> (2 * k)) & 3) << 4);
+        }
+        put_codes(tile, 16, 2, j, q);
+      }
+      return;
+    }
+  }
+}
+
+// GGUF blocks [N, row bytes] -> packed [ceil(N/8), super-blocks per row, super bytes];
+// columns past N in the last tile are zero (scale 0), so they add nothing.
+at::Tensor quant_repack(const at::Tensor& blocks, int64_t qtype) {
+  const PackedLayout L = packed_layout(qtype);
+  TORCH_CHECK(L.blocks != 0, "quant_repack: qtype must be a GGML type id of Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), "
+              "Q8_0 (8), Q4_K (12), Q5_K (13) or Q6_K (14), got ", qtype);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "quant_repack: blocks must be a contiguous uint8 [rows, row bytes] tensor");
+  TORCH_CHECK(blocks.size(1) % L.gguf_bytes == 0, "quant_repack: row bytes ", blocks.size(1), " not a multiple of ",
+              L.gguf_bytes);
+  const int64_t n = blocks.size(0), ns = blocks.size(1) / L.gguf_bytes, ng = (n + kTileCols - 1) / kTileCols;
+  at::Tensor packed = at::zeros({ng, ns, L.super_bytes()}, blocks.options());
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, ng, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t s = 0; s < ns; ++s)
+        for (int j = 0; j < kTileCols && g * kTileCols + j < n; ++j)
+          pack_column(qtype, src + ((g * kTileCols + j) * ns + s) * L.gguf_bytes,
+                      dst + (g * ns + s) * L.super_bytes(), j);
+  });
+  return packed;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("quant_repack(Tensor blocks, int qtype) -> Tensor", &quant_repack);
+}
+
+}  // namespace pagedserve::quant
