@@ -25,7 +25,7 @@ from gguf.quants import quantize
 from kernel_paths import outputs_on_every_path
 from pagedserve.kernels import resolve_kernels
 from pagedserve.model.gguf_rewrite import quantize_k
-from pagedserve.model.quant import QTYPES, QuantLinear, dequantize_blocks, quantize_blocks
+from pagedserve.model.quant import QTYPES, QuantEmbedding, QuantLinear, dequantize_blocks, quantize_blocks
 
 resolve_kernels("native")  # loads the op library; a broken build fails here rather than skipping
 
@@ -92,6 +92,18 @@ def test_op_is_the_sequential_fp32_product_of_the_dequantised_weights(name, n, k
     # One-hot rows read single weights back: the packed tiles hold the file's values.
     eye = torch.eye(k)[:64]
     assert torch.equal(QuantLinear(blocks, qtype, activations="fp32")(eye), dequantize_blocks(blocks, qtype)[:, :64].T)
+
+
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+def test_an_embedding_reads_its_rows_back_out_of_the_tiles_its_tied_head_uses(name) -> None:
+    blocks, qtype = blocks_of(name, weights(45, width(name, 320), seed=5))
+    embed = QuantEmbedding(blocks, qtype)
+    ids = torch.tensor([[44, 0, 7], [8, 8, 31]])
+    assert torch.equal(embed(ids), dequantize_blocks(blocks, qtype)[ids])
+    head = QuantLinear(embed, qtype, activations="fp32")
+    assert head.packed is embed.packed and head.out_features == 45
+    with pytest.raises(RuntimeError, match="out of range"):
+        embed(torch.tensor([48]))
 
 
 @pytest.mark.parametrize("name", BLOCK_TYPES)

@@ -30,14 +30,15 @@ def gguf_model():
 
 
 def model_tensors(model) -> list[torch.Tensor]:
-    """Every tensor the model holds, the quantised modules' plain attributes included."""
+    """Every tensor the model holds, the quantised modules' plain attributes included (a
+    tied head's tiles, shared with the embedding, once)."""
     out = [*model.parameters(), *model.buffers()]
     for m in model.modules():
         if isinstance(m, QuantLinear):
             out += [m.packed] + ([m.bias] if m.bias is not None else [])
         elif isinstance(m, QuantEmbedding):
-            out.append(m.blocks)
-    return out
+            out.append(m.packed)
+    return list({t.data_ptr(): t for t in out}.values())
 
 
 def test_config_validates_quantization() -> None:

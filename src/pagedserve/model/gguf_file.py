@@ -134,16 +134,24 @@ class _Cursor:
     def __init__(self, data: memoryview, order: str, pos: int):
         self.data, self.order, self.pos = data, order, pos
 
-    def take(self, size: int, what: str) -> memoryview:
+    def skip(self, size: int, what: str) -> None:
         if size > len(self.data) - self.pos:
             raise GGUFFormatError(f"{what} at byte {self.pos} needs {size} bytes; the file ends at {len(self.data)}")
         self.pos += size
-        return self.data[self.pos - size:self.pos]
+
+    def take(self, size: int, what: str) -> bytes:
+        """A copy, so that no view of the map outlives the walk (an error's traceback would
+        hold it, and the map could not close)."""
+        self.skip(size, what)
+        return bytes(self.data[self.pos - size:self.pos])
 
     def uint(self, fmt: str, what: str) -> int:
         return struct.unpack(self.order + fmt, self.take(struct.calcsize(fmt), what))[0]
 
-    def string(self, what: str) -> memoryview:
+    def string(self, what: str) -> None:
+        self.skip(self.uint("Q", f"the length of {what}"), what)
+
+    def read_string(self, what: str) -> bytes:
         return self.take(self.uint("Q", f"the length of {what}"), what)
 
 
@@ -222,7 +230,7 @@ def _check_entries(cursor: _Cursor, num_kv: int, num_tensors: int) -> tuple[int,
                 raise GGUFFormatError(f"general.alignment {alignment} is not a power of two")
     infos = []
     for index in range(num_tensors):
-        name = bytes(cursor.string(f"the name of tensor {index}")).decode("utf-8", errors="replace")
+        name = cursor.read_string(f"the name of tensor {index}").decode("utf-8", errors="replace")
         num_dims = cursor.uint("I", f"the dimension count of tensor {index}")
         if not 1 <= num_dims <= _MAX_DIMS:
             raise GGUFFormatError(f"tensor {index} has {num_dims} dimensions (1 to {_MAX_DIMS} allowed)")
@@ -232,9 +240,9 @@ def _check_entries(cursor: _Cursor, num_kv: int, num_tensors: int) -> tuple[int,
     return alignment, infos, cursor.pos
 
 
-def _check_value(cursor: _Cursor, what: str) -> tuple[bytes, int, memoryview | None]:
+def _check_value(cursor: _Cursor, what: str) -> tuple[bytes, int, bytes | None]:
     """Skips one metadata entry; returns its key, type and (for a scalar) value bytes."""
-    key = bytes(cursor.string(f"the key of {what}"))
+    key = cursor.read_string(f"the key of {what}")
     kind = cursor.uint("I", f"the type of {what}")
     value = None
     if kind == GGUFValueType.STRING:
@@ -248,7 +256,7 @@ def _check_value(cursor: _Cursor, what: str) -> tuple[bytes, int, memoryview | N
             for _ in range(count):
                 cursor.string(f"a string of {what}")
         elif item_kind in _SCALAR_SIZES:
-            cursor.take(count * _SCALAR_SIZES[GGUFValueType(item_kind)], f"the {count} items of {what}")
+            cursor.skip(count * _SCALAR_SIZES[GGUFValueType(item_kind)], f"the {count} items of {what}")
         else:
             raise GGUFFormatError(f"{what} is an array of type {item_kind}, which this reader does not take")
     elif kind in _SCALAR_SIZES:

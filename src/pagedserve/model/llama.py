@@ -266,8 +266,7 @@ class LlamaModel(nn.Module):
         self.load_state_dict(state, strict=True, assign=True)
         if self.lm_head is None:
             if isinstance(self.embed, QuantEmbedding):
-                self.lm_head = QuantLinear(self.embed.blocks, self.embed.qtype,
-                                           activations=activations(self.embed.qtype))
+                self.lm_head = QuantLinear(self.embed, self.embed.qtype, activations=activations(self.embed.qtype))
             else:
                 self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
                 self.lm_head.weight = self.embed.weight  # packing copies it; the embedding keeps its own

@@ -158,15 +158,29 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 ACTIVATIONS = ("int8", "fp32")
 
 
+def pack(blocks: torch.Tensor | list[torch.Tensor], qtype: int) -> tuple[torch.Tensor, int, int]:
+    """GGUF blocks (or a list of them stacked as rows) -> (the native ops' packed tiles,
+    rows, values per row)."""
+    reason = native_unavailable_reason()  # also loads the library
+    if reason is not None:
+        raise ValueError(f"layers on GGUF blocks need pagedserve's native kernels, which cannot run here: {reason}")
+    parts = list(blocks) if isinstance(blocks, (list, tuple)) else [blocks]
+    rows, values = sum(b.shape[0] for b in parts), row_values(parts[0], qtype)
+    if any(b.shape[0] % 8 for b in parts[:-1]):  # a part would end inside a tile of 8 rows
+        parts = [torch.cat(parts)]
+    packed = [torch.ops.pagedserve.quant_repack(b.contiguous(), qtype) for b in parts]
+    return (packed[0] if len(packed) == 1 else torch.cat(packed)), rows, values
+
+
 class QuantLinear(nn.Module):
     """A linear layer on GGUF blocks (NATIVE_TYPES); `bias` (fp32) optional; `activations`
     int8 (quantised on the fly; INT8_TYPES) or fp32 (the dequantised weights' exact fp32
     product)."""
 
-    def __init__(self, blocks: torch.Tensor | list[torch.Tensor], qtype: int, bias: torch.Tensor | None = None,
-                 activations: str = "int8"):
-        """`blocks`: uint8 [rows, row bytes], or a list of them stacked as rows (a fused matrix's
-        parts, packed one by one)."""
+    def __init__(self, blocks: torch.Tensor | list[torch.Tensor] | QuantEmbedding, qtype: int,
+                 bias: torch.Tensor | None = None, activations: str = "int8"):
+        """`blocks`: uint8 [rows, row bytes], a list of them stacked as rows (a fused matrix's
+        parts, packed one by one), or a QuantEmbedding whose tiles a tied head shares."""
         super().__init__()
         if qtype not in NATIVE_TYPES:
             raise ValueError(f"unsupported qtype {qtype}; supported: "
@@ -175,22 +189,16 @@ class QuantLinear(nn.Module):
             raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
         if activations == "int8" and qtype not in INT8_TYPES:
             raise ValueError(f"int8 activations run on Q8_0, Q4_0 and Q4_1 blocks, not {type_name(qtype)}")
-        reason = native_unavailable_reason()  # also loads the library
-        if reason is not None:
-            raise ValueError(f"quantised linear layers need pagedserve's native kernels, which cannot run here: {reason}")
         self.activations = activations
         self._op = torch.ops.pagedserve.quant_linear if activations == "int8" else torch.ops.pagedserve.dequant_linear
         self.qtype = qtype
-        parts = list(blocks) if isinstance(blocks, (list, tuple)) else [blocks]
-        self.out_features = sum(b.shape[0] for b in parts)
-        self.in_features = row_values(parts[0], qtype)
         # Plain attributes, not parameters or buffers: the model's state dict keeps the
         # checkpoint's names and layout, which these replace (LlamaModel.load_weights).
         self.bias = None if bias is None else bias.float().contiguous()
-        if any(b.shape[0] % 8 for b in parts[:-1]):  # a part would end inside a tile of 8 rows
-            parts = [torch.cat(parts)]
-        packed = [torch.ops.pagedserve.quant_repack(b.contiguous(), qtype) for b in parts]
-        self.packed = packed[0] if len(packed) == 1 else torch.cat(packed)
+        if isinstance(blocks, QuantEmbedding):
+            self.packed, self.out_features, self.in_features = blocks.packed, blocks.rows, blocks.dim
+        else:
+            self.packed, self.out_features, self.in_features = pack(blocks, qtype)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, qtype: int, bias: torch.Tensor | None = None) -> "QuantLinear":
@@ -219,11 +227,17 @@ class ConcatLinear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """Token embedding kept in its file's blocks; looked-up rows are dequantised."""
+    """Token embedding kept as the native ops' packed tiles (a tied LM head multiplies with
+    the same ones): looked-up rows are read back out of them (quant_unpack_rows), the
+    values the file's blocks hold."""
 
     def __init__(self, blocks: torch.Tensor, qtype: int):
         super().__init__()
-        self.blocks, self.qtype = blocks, qtype
+        if qtype not in NATIVE_TYPES:
+            raise ValueError(f"unsupported qtype {qtype} for an embedding on blocks")
+        self.qtype = qtype
+        self.packed, self.rows, self.dim = pack(blocks, qtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return dequantize_blocks(self.blocks.index_select(0, ids.reshape(-1)), self.qtype).reshape(*ids.shape, -1)
+        rows = torch.ops.pagedserve.quant_unpack_rows(self.packed, self.qtype, ids.reshape(-1))
+        return rows.reshape(*ids.shape, self.dim)

@@ -1,4 +1,5 @@
-// GGUF blocks -> the packed tiles the linear ops read (quant_linear.h's PackedLayout).
+// GGUF blocks -> the packed tiles the linear ops read (quant_linear.h's PackedLayout), and
+// rows read back out of them (a token embedding kept only as its tied head's tiles).
 //
 // Each GGUF block is decoded to its values' integer codes and its scales as stored, then
 // written into the tile lanes of its column: nothing is rounded, so the tiles define the
@@ -8,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "quant_linear.h"
@@ -168,10 +170,75 @@ at::Tensor quant_repack(const at::Tensor& blocks, int64_t qtype) {
   return packed;
 }
 
+// Lane j's 32 values of one block tile: the fp32 numbers dequant_linear computes, by the
+// same operations (d * s exact, then one fma per value).
+void unpack_lane(int64_t qtype, const uint8_t* hdr, const uint8_t* tile, int j, float* out) {
+  if (qtype == kQ8_0) {
+    const float d = _cvtsh_ss(load_u16(tile + 2 * j));
+    for (int i = 0; i < 32; ++i)
+      out[i] = d * static_cast<float>(static_cast<int8_t>(tile[16 + 32 * (i / 4) + 4 * j + i % 4]));
+    return;
+  }
+  const PackedLayout L = packed_layout(qtype);
+  const int64_t scale_bytes = L.blocks == 1 ? 32 : 16;
+  const int hi_bits = qtype == kQ6_K ? 2 : (qtype == kQ5_0 || qtype == kQ5_1 || qtype == kQ5_K) ? 1 : 0;
+  const uint8_t* nib = tile + scale_bytes;
+  for (int i = 0; i < 32; ++i) {
+    const int v = i / 8, t = i % 8;
+    const uint8_t byte = nib[32 * v + 4 * j + t % 4];
+    uint32_t q = t < 4 ? byte & 0x0F : byte >> 4;
+    if (hi_bits == 1) q |= ((load_u32(nib + 128 + 4 * j) >> i) & 1) << 4;
+    if (hi_bits == 2) q |= ((load_u32(nib + 128 + 32 * (i / 16) + 4 * j) >> (2 * (i % 16))) & 3) << 4;
+    float d, m;
+    if (L.blocks == 1) {
+      d = _cvtsh_ss(load_u16(tile + 2 * j));
+      m = _cvtsh_ss(load_u16(tile + 16 + 2 * j));
+    } else if (qtype == kQ6_K) {
+      d = _cvtsh_ss(load_u16(hdr + 2 * j)) * static_cast<float>(static_cast<int8_t>(tile[8 * (i / 16) + j]));
+      m = d * -32.0f;
+    } else {
+      d = _cvtsh_ss(load_u16(hdr + 2 * j)) * static_cast<float>(tile[j]);
+      m = -(_cvtsh_ss(load_u16(hdr + 16 + 2 * j)) * static_cast<float>(tile[8 + j]));
+    }
+    out[i] = std::fma(static_cast<float>(q), d, m);
+  }
+}
+
+// Rows `ids` of the matrix packed in `packed` (quant_repack's output for `qtype`), fp32
+// [len(ids), K]: a token embedding read from the tiles its tied LM head multiplies with.
+at::Tensor quant_unpack_rows(const at::Tensor& packed, int64_t qtype, const at::Tensor& ids) {
+  const PackedLayout L = packed_layout(qtype);
+  TORCH_CHECK(L.blocks != 0, "quant_unpack_rows: qtype ", qtype, " is not a GGML type id quant_repack packs");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.size(2) == L.super_bytes(),
+              "quant_unpack_rows: packed must come from quant_repack with the same qtype");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "quant_unpack_rows: ids must be int64 [n]");
+  const at::Tensor index = ids.contiguous();
+  const int64_t n = index.size(0), ns = packed.size(1), k = ns * L.blocks * kBlock;
+  const int64_t rows = packed.size(0) * kTileCols;
+  at::Tensor out = at::empty({n, k}, packed.options().dtype(at::kFloat));
+  const int64_t* id = index.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) TORCH_CHECK(id[r] >= 0 && id[r] < rows, "quant_unpack_rows: row ", id[r], " out of range");
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* group = src + (id[r] / kTileCols) * ns * L.super_bytes();
+      for (int64_t b = 0; b < ns * L.blocks; ++b) {
+        const uint8_t* hdr = group + (b / L.blocks) * L.super_bytes();
+        unpack_lane(qtype, hdr, hdr + L.header + (b % L.blocks) * L.tile, static_cast<int>(id[r] % kTileCols),
+                    dst + r * k + b * kBlock);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("quant_repack(Tensor blocks, int qtype) -> Tensor", &quant_repack);
+  m.def("quant_unpack_rows(Tensor packed, int qtype, Tensor ids) -> Tensor", &quant_unpack_rows);
 }
 
 }  // namespace pagedserve::quant
