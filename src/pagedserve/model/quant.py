@@ -190,7 +190,6 @@ class QuantLinear(nn.Module):
         if activations == "int8" and qtype not in INT8_TYPES:
             raise ValueError(f"int8 activations run on Q8_0, Q4_0 and Q4_1 blocks, not {type_name(qtype)}")
         self.activations = activations
-        self._op = torch.ops.pagedserve.quant_linear if activations == "int8" else torch.ops.pagedserve.dequant_linear
         self.qtype = qtype
         # Plain attributes, not parameters or buffers: the model's state dict keeps the
         # checkpoint's names and layout, which these replace (LlamaModel.load_weights).
@@ -199,6 +198,8 @@ class QuantLinear(nn.Module):
             self.packed, self.out_features, self.in_features = blocks.packed, blocks.rows, blocks.dim
         else:
             self.packed, self.out_features, self.in_features = pack(blocks, qtype)
+        # After pack(), which loads the op library (or says why it cannot).
+        self._op = torch.ops.pagedserve.quant_linear if activations == "int8" else torch.ops.pagedserve.dequant_linear
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, qtype: int, bias: torch.Tensor | None = None) -> "QuantLinear":
