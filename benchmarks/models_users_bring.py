@@ -4,10 +4,12 @@ same client (`pagedserve bench serve`) and the same KV capacity in tokens.
 
     .venv/bin/python benchmarks/models_users_bring.py --llama-server PATH/llama-server \
         --model smol-q4km.gguf --model llama1b-q4km.gguf [--workloads W1,W2] [--rounds 1] \
+        [--pagedserve default= --pagedserve "int8=--quantization gguf --kv-cache-dtype fp16"] \
         [--out benchmarks/results/models_users_bring.json]
 
-For each model, workload and round, each server is started fresh (pagedserve with its
-default flags and --kv-cache-memory sized to the workload's tokens; llama-server with
+For each model, workload and round, each server is started fresh (each pagedserve variant
+with its flags, default: none, and --kv-cache-memory sized to the workload's tokens in
+its KV dtype; llama-server with
 `-t 2`, `-np` matched to the concurrency and `-c` the same token count), timed to its first
 good /health, warmed with one request, loaded with the workload (fresh seed per round,
 token-id prompts, ignore_eos), then its resident memory (the process tree's VmRSS) is
@@ -87,28 +89,32 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> float:
     raise TimeoutError(f"{url} not healthy after {timeout} s")
 
 
-def kv_bytes_per_token(model: Path) -> int:
-    """pagedserve's default (fp32) KV bytes per token of this model."""
+def kv_bytes_per_token(model: Path, flags: list[str]) -> int:
+    """pagedserve's KV bytes per token of this model with these flags (fp32 unless an
+    --kv-cache-dtype says otherwise)."""
     sys.path.insert(0, str(REPO / "src"))
     from pagedserve.model.loader import gguf_header
 
     c = gguf_header(model).config
-    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
+    dtype = flags[flags.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in flags else "auto"
+    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * {"fp16": 2, "bf16": 2}.get(dtype, 1 if "fp8" in dtype else 4)
 
 
-def server_command(server: str, model: Path, port: int, w: Workload, llama: str) -> list[str]:
+def server_command(server: str, model: Path, port: int, w: Workload, llama: str, variants: dict) -> list[str]:
     if server == "llama-server":
         return [llama, "-m", str(model), "-t", "2", "-np", str(w.concurrency), "-c", str(w.tokens),
                 "--host", "127.0.0.1", "--port", str(port)]
-    kv = w.tokens * kv_bytes_per_token(model)
+    flags = variants[server]
+    kv = w.tokens * kv_bytes_per_token(model, flags)
     return [PYTHON, "-m", "pagedserve.entrypoints.cli", "serve", "--model", str(model), "--port", str(port),
-            "--kv-cache-memory", str(kv)]
+            "--kv-cache-memory", str(kv), *flags]
 
 
-def run_one(server: str, model: Path, name: str, w: Workload, seed: int, llama: str, logs: Path) -> dict:
+def run_one(server: str, model: Path, name: str, w: Workload, seed: int, llama: str, variants: dict,
+            logs: Path) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = server_command(server, model, port, w, llama)
+    cmd = server_command(server, model, port, w, llama, variants)
     log = open(logs / f"{server}-{model.stem}-{name}-{seed}.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(REPO / "src")})
@@ -159,9 +165,13 @@ def main() -> int:
     ap.add_argument("--workloads", default="W1,W2")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100_000)
+    ap.add_argument("--pagedserve", action="append", metavar="NAME=FLAGS",
+                    help="a pagedserve variant and its serve flags (repeatable); default: default= (no flags)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     names = args.workloads.split(",")
+    variants = {f"pagedserve {v.partition('=')[0]}": v.partition("=")[2].split() for v in args.pagedserve or ["default="]}
+    servers = [*variants, "llama-server"]
     logs = Path(tempfile.mkdtemp(prefix="models-users-bring-"))
     results = []
     for model in args.model:
@@ -169,10 +179,10 @@ def main() -> int:
                "runs": []}
         for r in range(args.rounds):
             for name in names:
-                order = ("pagedserve", "llama-server") if r % 2 == 0 else ("llama-server", "pagedserve")
+                order = servers if r % 2 == 0 else servers[::-1]
                 for server in order:
                     seed = args.seed + 1000 * r
-                    res = run_one(server, model, name, WORKLOADS[name], seed, args.llama_server, logs)
+                    res = run_one(server, model, name, WORKLOADS[name], seed, args.llama_server, variants, logs)
                     row["runs"].append({"server": server, "workload": name, "round": r, **res})
                     print(f"{model.name} {name} round {r} {server}: {res['tok_s']} tok/s, p99 ITL "
                           f"{res['p99_itl_ms']} ms, start {res['startup_s']} s, RSS {res['rss_mib']} MiB", flush=True)
@@ -184,11 +194,13 @@ def main() -> int:
         for name in names:
             def best(server: str, key: str, better=max) -> float:
                 return better(x[key] for x in row["runs"] if x["server"] == server and x["workload"] == name)
-            ps, ll = best("pagedserve", "tok_s"), best("llama-server", "tok_s")
-            print(f"  {name}: pagedserve {ps} tok/s, llama-server {ll} tok/s ({ps / ll:.2f}x); p99 ITL "
-                  f"{best('pagedserve', 'p99_itl_ms', min)} vs {best('llama-server', 'p99_itl_ms', min)} ms; "
-                  f"start {best('pagedserve', 'startup_s', min)} vs {best('llama-server', 'startup_s', min)} s; "
-                  f"RSS {best('pagedserve', 'rss_mib', min)} vs {best('llama-server', 'rss_mib', min)} MiB")
+            ll = best("llama-server", "tok_s")
+            for v in variants:
+                ps = best(v, "tok_s")
+                print(f"  {name}: {v} {ps} tok/s vs llama-server {ll} ({ps / ll:.2f}x); p99 ITL "
+                      f"{best(v, 'p99_itl_ms', min)} vs {best('llama-server', 'p99_itl_ms', min)} ms; "
+                      f"start {best(v, 'startup_s', min)} vs {best('llama-server', 'startup_s', min)} s; "
+                      f"RSS {best(v, 'rss_mib', min)} vs {best('llama-server', 'rss_mib', min)} MiB")
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
     return 0

@@ -158,3 +158,53 @@ def test_op_sweep_shapes(name: str) -> None:
                 x = torch.randn(rows, k)
                 ref, bound = reference(x, blocks, qtype, layer.bias)
                 assert ((layer(x).double() - ref).abs() <= bound).all(), (n, k, rows)
+
+
+# The types only files hold (Q5_0, Q5_1, K-quants), written by gguf's and pagedserve's
+# quantisers (test_gguf_types checks the writers), through the same int8 op.
+FILE_TYPES = {"q5_0": (22, slice(2, 22)), "q5_1": (24, slice(4, 24)), "q4_k": (144, slice(16, 144)),
+              "q5_k": (176, slice(16, 176)), "q6_k": (210, slice(0, 192))}
+
+
+def file_blocks(name: str, w: torch.Tensor) -> tuple[torch.Tensor, int]:
+    from pagedserve.model.gguf_rewrite import quantize_as
+
+    qtype = GGMLQuantizationType[name.upper()]
+    return torch.from_numpy(np.ascontiguousarray(quantize_as(w.numpy(), qtype))), int(qtype)
+
+
+@pytest.mark.parametrize("name", list(FILE_TYPES))
+@pytest.mark.parametrize("n,k", [(96, 512), (13, 1536)])
+def test_op_on_file_types_matches_the_dequantised_reference(name: str, n: int, k: int) -> None:
+    """As test_op_matches_dequantised_reference. The op sums code * d * x and m * x (Q6_K:
+    m = -32 d per 16 values) as separate terms, so the bound takes |w| + 2|m| per weight,
+    m read by dequantising the blocks with every code zeroed."""
+    blocks, qtype = file_blocks(name, weights(n, k, seed=n))
+    bias = torch.randn(n)
+    layer = QuantLinear(blocks, qtype, bias, activations="int8")
+    block_bytes, codes = FILE_TYPES[name]
+    zeroed = blocks.clone().reshape(n, -1, block_bytes)
+    zeroed[..., codes] = 0
+    m = dequantize_blocks(zeroed.reshape(n, -1), qtype).double().abs()
+    w = dequantize_blocks(blocks, qtype).double()
+    x_all = torch.randn(64, k) * torch.rand(64, 1) * 3
+    x_all[2] = 0
+    for rows in (1, 3, 5, 7, 64):
+        x = x_all[:rows]
+        q, s = quantize_activations(x)
+        xd = (q.double().reshape(*s.shape, BLOCK) * s.double()[..., None]).reshape(x.shape)
+        ref = xd @ w.T + bias.double()
+        magnitude = xd.abs() @ (w.abs() + 2 * m).T + bias.double().abs()
+        bound = (2 * k // BLOCK + 4) * 2.0**-24 * magnitude + 1e-30
+        excess = ((layer(x).double() - ref).abs() - bound).max().item()
+        assert excess <= 0, f"{name} {n}x{k} rows {rows}: error exceeds the bound by {excess:.3g}"
+
+
+@pytest.mark.parametrize("name", list(FILE_TYPES))
+def test_file_types_bits_do_not_depend_on_batch_threads_or_instruction_set(name) -> None:
+    n = 8 * 4 * 3 + 13
+    blocks, qtype = file_blocks(name, weights(n, 512, seed=3))
+    layer = QuantLinear(blocks, qtype, torch.randn(n), activations="int8")
+    results = outputs_on_every_path(layer, torch.randn(300, 512), (300, 64, 17, 7, 6, 5, 4, 3, 1))
+    for y in results:
+        assert torch.equal(y, results[0][: y.shape[0]])

@@ -17,7 +17,7 @@ from ..attention.backend import AttentionBackend
 from ..attention.metadata import AttentionMetadata
 from .config import ModelConfig
 from .lora import LoRABatch
-from .quant import INT8_TYPES, QTYPES, ConcatLinear, QuantEmbedding, QuantLinear, type_name
+from .quant import QTYPES, ConcatLinear, QuantEmbedding, QuantLinear, type_name
 
 
 class RotaryEmbedding(nn.Module):
@@ -236,14 +236,14 @@ class LlamaModel(nn.Module):
         `qtypes` names the state's matrices that are GGUF blocks (weights.fuse_gguf_blocks)
         and their GGML types (a tuple, with a list of tensors, for a matrix of parts): those layers (and a tied head, from the embedding's blocks) run on the
         blocks as they are, in fp32 arithmetic when `quantization` is none (the fp32 model
-        the blocks define) and in llama.cpp's int8 otherwise, where the type has an int8 op. q8_0 / q4_0 / q4_1 quantises every fp32
+        the blocks define) and in llama.cpp's int8 otherwise. q8_0 / q4_0 / q4_1 quantises every fp32
         linear layer at load, and the head to q8_0; the embedding stays fp32 (it is only indexed)."""
         state = dict(state)
         divisors = state.pop("rope_freq_divisors", None)
         if divisors is not None:
             self.rotary.set_freq_divisors(divisors)
-        def activations(qtype: int) -> str:  # int8 where asked for and an int8 op exists
-            return "int8" if quantization != "none" and qtype in INT8_TYPES else "fp32"
+        def activations(qtype: int) -> str:
+            return "fp32" if quantization == "none" else "int8"
 
         for name, qtype in (qtypes or {}).items():
             path = name.removesuffix(".weight")

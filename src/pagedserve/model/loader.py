@@ -168,7 +168,7 @@ def load_model(
     if source.kind == "gguf" and (quantization == "gguf" or (keep_blocks and quantization == "none")):
         header = gguf_header(source.path, use_cache=use_cache)
         config, tokenizer = header.config, header.tokenizer
-        state, qtypes = fuse_gguf_blocks(read_tensors(source.path), config, int8=quantization == "gguf")
+        state, qtypes = fuse_gguf_blocks(read_tensors(source.path), config)
     elif source.kind == "gguf":
         converted = convert_gguf(source.path, use_cache=use_cache)
         config, state, tokenizer = converted.config, converted.state, converted.tokenizer

@@ -10,9 +10,9 @@ uint8 tensor [N, K / 32 * block bytes]: rows stay rows, so fusing q/k/v or gate/
 (concatenating rows) and undoing llama.cpp's q/k row permutation work on raw blocks.
 
 QuantLinear repacks the blocks once for pagedserve's native ops, which read them in one
-of two ways: `activations="int8"` (kernels/csrc/quant_linear.cpp; Q8_0, Q4_0, Q4_1)
-quantises each row's activations too and multiplies in integers, llama.cpp's way;
-`activations="fp32"` (dequant_linear.cpp; every type above) dequantises the weights in
+of two ways: `activations="int8"` (kernels/csrc/quant_linear.cpp) quantises each row's
+activations too and multiplies in integers, llama.cpp's way; `activations="fp32"`
+(dequant_linear.cpp) dequantises the weights in
 registers and multiplies in fp32, which is the fp32 model the blocks define, exactly, at
 about the blocks' bytes per weight (quant_linear.h's PackedLayout). There is no
 pure-torch forward, since dequantising every call would be slower than the fp32 layer it
@@ -31,9 +31,8 @@ from .config import QTYPES
 
 BLOCK = 32
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # the types quantize_blocks writes
-# GGML types the fp32 op reads on their own blocks; the int8 op takes QTYPES' three.
+# GGML types the native ops (fp32 and int8 activations alike) read on their own blocks.
 NATIVE_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
-INT8_TYPES = frozenset(QTYPES.values())
 
 
 def type_name(qtype: int) -> str:
@@ -114,10 +113,10 @@ def dequantize_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
 
 
 # GGML types whose every block is exactly a Q8_0 block: a signed 8-bit integer per value
-# times the block's fp16 scale. Q5_0 holds d * (q - 16) with q of 5 bits (the int8 op has
-# no Q5_0 kernel); IQ4_NL d * book[i] with book values in [-127, 113] (no op reads its
-# book). Widened so, they run on the Q8_0 kernels at 34 bytes a block (22 and 18 in the
-# file) instead of fp32's 128.
+# times the block's fp16 scale. Q5_0 holds d * (q - 16) with q of 5 bits (the ops read it
+# as it is; widening is kept for tests and tools); IQ4_NL d * book[i] with book values in
+# [-127, 113] (no op reads its book): widened, it runs on the Q8_0 kernels at 34 bytes a
+# block (18 in the file) instead of fp32's 128.
 Q5_0, IQ4_NL = 6, 20
 _IQ4_NL_BOOK = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                             dtype=torch.int8)
@@ -174,8 +173,7 @@ def pack(blocks: torch.Tensor | list[torch.Tensor], qtype: int) -> tuple[torch.T
 
 class QuantLinear(nn.Module):
     """A linear layer on GGUF blocks (NATIVE_TYPES); `bias` (fp32) optional; `activations`
-    int8 (quantised on the fly; INT8_TYPES) or fp32 (the dequantised weights' exact fp32
-    product)."""
+    int8 (quantised on the fly) or fp32 (the dequantised weights' exact fp32 product)."""
 
     def __init__(self, blocks: torch.Tensor | list[torch.Tensor] | QuantEmbedding, qtype: int,
                  bias: torch.Tensor | None = None, activations: str = "int8"):
@@ -187,8 +185,6 @@ class QuantLinear(nn.Module):
                              + ", ".join(f"{type_name(t)} ({t})" for t in sorted(NATIVE_TYPES)))
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
-        if activations == "int8" and qtype not in INT8_TYPES:
-            raise ValueError(f"int8 activations run on Q8_0, Q4_0 and Q4_1 blocks, not {type_name(qtype)}")
         self.activations = activations
         self.qtype = qtype
         # Plain attributes, not parameters or buffers: the model's state dict keeps the

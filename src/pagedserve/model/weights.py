@@ -17,7 +17,7 @@ import torch
 
 from .config import QTYPES, ModelConfig
 from .gguf_file import GGUFTensor
-from .quant import IQ4_NL, NATIVE_TYPES, Q5_0, dequantize_blocks, widen_to_q8_0
+from .quant import IQ4_NL, NATIVE_TYPES, dequantize_blocks, widen_to_q8_0
 
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -180,16 +180,15 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def fuse_gguf_blocks(tensors: list[GGUFTensor], config: ModelConfig, int8: bool = False
+def fuse_gguf_blocks(tensors: list[GGUFTensor], config: ModelConfig
                      ) -> tuple[dict[str, Any], dict[str, int | tuple[int, ...]]]:
     """The fused state dict with every matrix that a native kernel reads kept in its GGUF
     blocks (memory-mapped views of the file), and those matrices' GGML types. IQ4_NL
-    matrices arrive widened to Q8_0 (quant.widen_to_q8_0), and Q5_0 too for `int8` (where
-    the int8 op takes Q8_0 but not Q5_0). A fused matrix of several parts (q, k, v) is a
+    matrices arrive widened to Q8_0 (quant.widen_to_q8_0). A fused matrix of several parts (q, k, v) is a
     list of them with a tuple of their types, not concatenated here: the layer packs them
     one at a time (no second copy of the model at load), and Q4_K_M stores v in Q6_K beside
     q and k in Q4_K. One with a part that has no kernel (F16, say) is fp32."""
-    widen = {IQ4_NL, Q5_0} if int8 else {IQ4_NL}
+    widen = {IQ4_NL}
     types = {_hf_name_for_gguf(t.name): QTYPES["q8_0"] if t.qtype in widen else int(t.qtype) for t in tensors}
     hf = hf_tensors_from_gguf(tensors, config, keep_blocks=NATIVE_TYPES - widen, widen=widen)
     qtypes: dict[str, int | tuple[int, ...]] = {}

@@ -1,4 +1,5 @@
-// y = x W^T + b with W in llama.cpp's Q8_0 / Q4_0 / Q4_1 blocks (quant_linear.h), x fp32.
+// y = x W^T + b with W in llama.cpp's blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+// Q6_K: quant_linear.h's packed tiles), x fp32 quantised to int8 per 32 values.
 //
 // Why: a decode step reads every weight once per step; fp32 weights make batch-1 decode
 // memory-bound at ~540 MB a token on this model, Q8_0 cuts that ~3.8x and Q4_1 ~6.4x,
@@ -49,8 +50,9 @@ inline int32_t hsum_epi32(__m256i v) {
 }
 
 // One row of fp32 -> int8 per block of 32: scale = amax / 127, q = round-half-even(x * 127 / amax)
-// (llama.cpp's quantize_row_q8_0 with an fp32 scale), and scale * sum(q) for the Q4 min term.
-void quantize_row(const float* x, int64_t nb, int8_t* q, float* scale, float* scaled_sum) {
+// (llama.cpp's quantize_row_q8_0 with an fp32 scale), scale * sum(q) for the Q4 min term and
+// the integer sums of q over each 16 values (Q6_K's per-16 offset).
+void quantize_row(const float* x, int64_t nb, int8_t* q, float* scale, float* scaled_sum, int32_t* half_sums) {
   const __m256 sign_mask = _mm256_set1_ps(-0.0f);
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + b * kBlock;
@@ -80,24 +82,85 @@ void quantize_row(const float* x, int64_t nb, int8_t* q, float* scale, float* sc
     const float d = max_abs / 127.0f;
     scale[b] = d;
     scaled_sum[b] = d * static_cast<float>(hsum_epi32(isum));
+    half_sums[2 * b] = hsum_epi32(_mm256_add_epi32(iv[0], iv[1]));
+    half_sums[2 * b + 1] = hsum_epi32(_mm256_add_epi32(iv[2], iv[3]));
   }
 }
 
-// MR rows x the 8 columns of one tile group, over all K/32 blocks.
-template <int MR, bool kQ8>
+// Byte-wise left shift by S (right by -S) within 16-bit lanes; the masks that follow keep
+// only bits that came from their own byte.
+template <int S>
+inline __m256i shl16(__m256i a) {
+  if constexpr (S > 0) return _mm256_slli_epi16(a, S);
+  else if constexpr (S < 0) return _mm256_srli_epi16(a, -S);
+  else return a;
+}
+
+// Code bytes of nibble vector V of a block: lo (values 8V..8V+3 of each column) and hi
+// (8V+4..8V+7), with the bits above the nibble from `plane` (quant_linear.h's layout).
+template <int kHi, int V>
+inline void codes256(__m256i raw, __m256i plane, __m256i& lo, __m256i& hi) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  lo = _mm256_and_si256(raw, low4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+  if constexpr (kHi == 1) {
+    const __m256i bit = _mm256_set1_epi8(0x10);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(shl16<4 - 2 * V>(plane), bit));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(shl16<3 - 2 * V>(plane), bit));
+  } else if constexpr (kHi == 2) {
+    const __m256i bits = _mm256_set1_epi8(0x30);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(shl16<4 - 4 * (V % 2)>(plane), bits));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(shl16<2 - 4 * (V % 2)>(plane), bits));
+  }
+}
+
+// Where block b's tile and its super-block's header are, from a tile group's start.
+template <int64_t kType>
+inline const uint8_t* block_tile(const uint8_t* group, int64_t b, const uint8_t*& hdr) {
+  constexpr PackedLayout L = packed_layout(kType);
+  hdr = group + (b / L.blocks) * L.super_bytes();
+  return hdr + L.header + (b % L.blocks) * L.tile;
+}
+
+// Per-column fp32 (d, m) of a nibble block: w = d * code + m (quant_linear.h), the numbers
+// dequant_linear makes; for Q6_K d of the 16 values of `half` and m unused.
+template <int64_t kType>
+inline void block_scales256(const uint8_t* hdr, const uint8_t* t, int half, __m256& d, __m256& m) {
+  const auto u8 = [](const uint8_t* p, bool sign) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_cvtepi32_ps(sign ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+  };
+  const auto ph = [](const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
+  if constexpr (packed_layout(kType).blocks == 1) {
+    d = ph(t);
+    m = ph(t + 16);
+  } else if constexpr (kType == kQ6_K) {
+    d = _mm256_mul_ps(ph(hdr), u8(t + 8 * half, true));
+  } else {
+    d = _mm256_mul_ps(ph(hdr), u8(t, false));
+    m = _mm256_xor_ps(_mm256_mul_ps(ph(hdr + 16), u8(t + 8, false)), _mm256_set1_ps(-0.0f));
+  }
+}
+
+// MR rows x the 8 columns of one tile group, over all K/32 blocks. Per block (Q6_K: per 16
+// values) the integer dot of codes and int8 activations lands as 8 int32 lanes, then
+// acc += dot * (d * activation scale) + m * (activation scale * sum of the activations);
+// Q6_K's m = -32 d is taken as 32 * the integer activation sum off the dot.
+template <int MR, int64_t kType>
 void tile_dot(const uint8_t* tiles, int64_t nb, const int8_t* qa, int64_t k, const float* da, const float* sa,
-              float* out, int64_t ldo, int64_t ncols, const float* bias) {
-  const int64_t tb = kQ8 ? tile_bytes(kQ8_0) : tile_bytes(kQ4_1);
+              const int32_t* hs, float* out, int64_t ldo, int64_t ncols, const float* bias) {
+  constexpr bool kQ8 = kType == kQ8_0, kSym = kType == kQ6_K;
+  constexpr int kHi = hi_bits(kType);
+  constexpr int64_t kS = kQ8 ? 16 : scale_bytes(kType);
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* t = tiles + b * tb;
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+    const uint8_t* hdr;
+    const uint8_t* t = block_tile<kType>(tiles, b, hdr);
     __m256i isum[MR];
+    for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
     if constexpr (kQ8) {
-      for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
       for (int c = 0; c < 8; ++c) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 16 + 32 * c));
         const __m256i w_abs = _mm256_abs_epi8(w);
@@ -107,28 +170,58 @@ void tile_dot(const uint8_t* tiles, int64_t nb, const int8_t* qa, int64_t k, con
           isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs, ones));
         }
       }
-    } else {
-      // Eight maddubs of nibbles (<= 15) by int8 (|a| <= 127) sum to <= 30,480: int16 holds them.
-      __m256i i16[MR];
-      for (int r = 0; r < MR; ++r) i16[r] = _mm256_setzero_si256();
-      for (int v = 0; v < 4; ++v) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 + 32 * v));
-        const __m256i lo = _mm256_and_si256(raw, low_nibbles);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low_nibbles);
-        for (int r = 0; r < MR; ++r) {
-          const int8_t* a = qa + r * k + b * kBlock + 8 * v;
-          i16[r] = _mm256_add_epi16(i16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(a))));
-          i16[r] = _mm256_add_epi16(i16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(a + 4))));
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+      for (int r = 0; r < MR; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dw, _mm256_set1_ps(da[r * nb + b])), acc[r]);
+      continue;
+    }
+    // maddubs of codes (<= 63) by int8 (|a| <= 127): a pair sums to <= 16,002, two pairs
+    // (one vector) to <= 32,004: int16 holds one vector; 4-bit codes hold all four (30,480).
+    __m256i i16[MR];
+    for (int r = 0; r < MR; ++r) i16[r] = _mm256_setzero_si256();
+    __m256 d, m;
+    const auto vector = [&](auto vc) {
+      constexpr int V = decltype(vc)::value;
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kS + 32 * V));
+      const __m256i plane = kHi ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kS + 128 + 32 * (kHi == 2 ? V / 2 : 0)))
+                                : _mm256_setzero_si256();
+      __m256i lo, hi;
+      codes256<kHi, V>(raw, plane, lo, hi);
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* a = qa + r * k + b * kBlock + 8 * V;
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(a))),
+                                           _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(a + 4))));
+        if constexpr (kHi == 0) {
+          i16[r] = _mm256_add_epi16(i16[r], p);
+        } else {
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, ones));
         }
       }
-      for (int r = 0; r < MR; ++r) isum[r] = _mm256_madd_epi16(i16[r], ones);
+    };
+    const auto scale_half = [&](int half) {  // acc += the half's (or block's) dot, scaled
+      for (int r = 0; r < MR; ++r) {
+        if constexpr (kHi == 0) isum[r] = _mm256_madd_epi16(i16[r], ones);
+        const __m256 dar = _mm256_set1_ps(da[r * nb + b]);
+        if constexpr (kSym) {
+          const __m256i dot = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(32 * hs[r * 2 * nb + 2 * b + half]));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, dar), acc[r]);
+          isum[r] = _mm256_setzero_si256();
+        } else {
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, dar), acc[r]);
+          acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sa[r * nb + b]), acc[r]);
+        }
+      }
+    };
+    block_scales256<kType>(hdr, t, 0, d, m);
+    vector(std::integral_constant<int, 0>{});
+    vector(std::integral_constant<int, 1>{});
+    if constexpr (kSym) {
+      scale_half(0);
+      block_scales256<kType>(hdr, t, 1, d, m);
     }
-    for (int r = 0; r < MR; ++r)
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dw, _mm256_set1_ps(da[r * nb + b])), acc[r]);
-    if constexpr (!kQ8) {
-      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16)));
-      for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sa[r * nb + b]), acc[r]);
-    }
+    vector(std::integral_constant<int, 2>{});
+    vector(std::integral_constant<int, 3>{});
+    scale_half(kSym ? 1 : 0);
   }
   for (int r = 0; r < MR; ++r) {
     if (bias != nullptr) acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(bias));
@@ -142,44 +235,94 @@ void tile_dot(const uint8_t* tiles, int64_t nb, const int8_t* qa, int64_t k, con
   }
 }
 
-template <bool kQ8>
+template <int64_t kType>
 void rows_dot(int64_t rows, const uint8_t* tiles, int64_t nb, const int8_t* qa, int64_t k, const float* da,
-              const float* sa, float* out, int64_t ldo, int64_t ncols, const float* bias) {
+              const float* sa, const int32_t* hs, float* out, int64_t ldo, int64_t ncols, const float* bias) {
   switch (rows) {
-    case 1: return tile_dot<1, kQ8>(tiles, nb, qa, k, da, sa, out, ldo, ncols, bias);
-    case 2: return tile_dot<2, kQ8>(tiles, nb, qa, k, da, sa, out, ldo, ncols, bias);
-    case 3: return tile_dot<3, kQ8>(tiles, nb, qa, k, da, sa, out, ldo, ncols, bias);
-    default: return tile_dot<4, kQ8>(tiles, nb, qa, k, da, sa, out, ldo, ncols, bias);
+    case 1: return tile_dot<1, kType>(tiles, nb, qa, k, da, sa, hs, out, ldo, ncols, bias);
+    case 2: return tile_dot<2, kType>(tiles, nb, qa, k, da, sa, hs, out, ldo, ncols, bias);
+    case 3: return tile_dot<3, kType>(tiles, nb, qa, k, da, sa, hs, out, ldo, ncols, bias);
+    default: return tile_dot<4, kType>(tiles, nb, qa, k, da, sa, hs, out, ldo, ncols, bias);
   }
 }
 
 // The same dot on AVX512_VNNI for MR rows x one group of four whole tiles (32 columns: two
 // zmm, tiles g and g+1 side by side, then g+2 and g+3). vpdpbusd multiplies unsigned by
-// signed bytes: Q4 nibbles are the unsigned side as they stand; for Q8_0 the activations
-// are, stored + 128 (qa_u8), and 128 x the weights' block sum (a vpdpbusd of 0x80 bytes,
-// shared by the rows) is taken off again.
+// signed bytes: codes are the unsigned side as they stand; for Q8_0 the activations are,
+// stored + 128 (qa_u8), and 128 x the weights' block sum (a vpdpbusd of 0x80 bytes, shared
+// by the rows) is taken off again. The integer dots are exact, and the fp32 steps after
+// them are tile_dot's operations in its order: the same bits.
 constexpr int64_t kRowTileVnni = 6;  // 2 x 6 int32 + 2 x 6 fp32 accumulators + 4 weight vectors fit the 32 zmm
 // Blocks ahead to prefetch: at a few rows the op streams the weights once and is bound by
 // memory; the prefetch took a 1-row pass over the model's layers from 0.81x to 0.68x of the
 // AVX2 path's time (a hint, so reading past the matrix's end is harmless).
 constexpr int64_t kPrefetch = 8;
 
-template <int MR, bool kQ8>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) void quad_dot_vnni(
-    const uint8_t* tiles, int64_t stride, int64_t nb, const int8_t* qa, int64_t k, const float* da, const float* sa,
-    float* out, int64_t ldo, const float* bias) {
-  const int64_t tb = kQ8 ? tile_bytes(kQ8_0) : tile_bytes(kQ4_1);
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vnni")
+template <int S>
+inline __m512i shl16_512(__m512i a) {
+  if constexpr (S > 0) return _mm512_slli_epi16(a, S);
+  else if constexpr (S < 0) return _mm512_srli_epi16(a, -S);
+  else return a;
+}
+
+template <int kHi, int V>
+inline void codes512(__m512i raw, __m512i plane, __m512i& lo, __m512i& hi) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  lo = _mm512_and_si512(raw, low4);
+  hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+  if constexpr (kHi == 1) {
+    const __m512i bit = _mm512_set1_epi8(0x10);
+    lo = _mm512_or_si512(lo, _mm512_and_si512(shl16_512<4 - 2 * V>(plane), bit));
+    hi = _mm512_or_si512(hi, _mm512_and_si512(shl16_512<3 - 2 * V>(plane), bit));
+  } else if constexpr (kHi == 2) {
+    const __m512i bits = _mm512_set1_epi8(0x30);
+    lo = _mm512_or_si512(lo, _mm512_and_si512(shl16_512<4 - 4 * (V % 2)>(plane), bits));
+    hi = _mm512_or_si512(hi, _mm512_and_si512(shl16_512<2 - 4 * (V % 2)>(plane), bits));
+  }
+}
+
+// block_scales256 for two tiles side by side (a at the low half, b = a + stride).
+template <int64_t kType>
+inline void block_scales512(const uint8_t* hdr, const uint8_t* t, int64_t stride, int half, __m512& d, __m512& m) {
+  const auto u8 = [&](const uint8_t* p, bool sign) {
+    const __m128i b = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)),
+                                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + stride)));
+    return _mm512_cvtepi32_ps(sign ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+  };
+  if constexpr (packed_layout(kType).blocks == 1) {
+    d = halves512(t, t + stride);
+    m = halves512(t + 16, t + 16 + stride);
+  } else if constexpr (kType == kQ6_K) {
+    d = _mm512_mul_ps(halves512(hdr, hdr + stride), u8(t + 8 * half, true));
+  } else {
+    d = _mm512_mul_ps(halves512(hdr, hdr + stride), u8(t, false));
+    m = _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(_mm512_mul_ps(halves512(hdr + 16, hdr + 16 + stride), u8(t + 8, false))),
+        _mm512_set1_epi32(INT32_MIN)));
+  }
+}
+
+template <int MR, int64_t kType>
+void quad_dot_vnni(const uint8_t* tiles, int64_t stride, int64_t nb, const int8_t* qa, int64_t k, const float* da,
+                   const float* sa, const int32_t* hs, float* out, int64_t ldo, const float* bias) {
+  constexpr bool kQ8 = kType == kQ8_0, kSym = kType == kQ6_K;
+  constexpr int kHi = hi_bits(kType);
+  constexpr int64_t kS = kQ8 ? 16 : scale_bytes(kType), kTile = packed_layout(kType).tile;
   const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[MR][2];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* t0 = tiles + b * tb;
+    const uint8_t* h0;
+    const uint8_t* t0 = block_tile<kType>(tiles, b, h0);
     const uint8_t *t1 = t0 + stride, *t2 = t1 + stride, *t3 = t2 + stride;
+    const uint8_t* h2 = h0 + 2 * stride;
     const int8_t* a = qa + b * kBlock;
     for (const uint8_t* t : {t0, t1, t2, t3})
-      for (int64_t line = 0; line < tb; line += 64) _mm_prefetch(reinterpret_cast<const char*>(t + kPrefetch * tb + line), _MM_HINT_T0);
+      for (int64_t line = 0; line < kTile; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(t + kPrefetch * kTile + line), _MM_HINT_T0);
     __m512i isum[MR][2];
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
@@ -198,61 +341,81 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void quad_dot_vnni(
           isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], av, w1);
         }
       }
+      const __m512 dw0 = halves512(t0, t1), dw1 = halves512(t2, t3);
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
-        isum[r][0] = _mm512_sub_epi32(isum[r][0], corr[0]);
-        isum[r][1] = _mm512_sub_epi32(isum[r][1], corr[1]);
+        const __m512 dar = _mm512_set1_ps(da[r * nb + b]);
+        acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][0], corr[0])), _mm512_mul_ps(dw0, dar), acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][1], corr[1])), _mm512_mul_ps(dw1, dar), acc[r][1]);
       }
-    } else {
+      continue;
+    }
+    __m512 d0, m0, d1, m1;
+    const auto vector = [&](auto vc) {
+      constexpr int V = decltype(vc)::value;
+      const int64_t off = kS + 32 * V, poff = kS + 128 + 32 * (kHi == 2 ? V / 2 : 0);
+      const __m512i raw0 = pair512(t0 + off, t1 + off), raw1 = pair512(t2 + off, t3 + off);
+      const __m512i p0 = kHi ? pair512(t0 + poff, t1 + poff) : _mm512_setzero_si512();
+      const __m512i p1 = kHi ? pair512(t2 + poff, t3 + poff) : _mm512_setzero_si512();
+      __m512i lo0, hi0, lo1, hi1;
+      codes512<kHi, V>(raw0, p0, lo0, hi0);
+      codes512<kHi, V>(raw1, p1, lo1, hi1);
 #pragma GCC unroll 8
-      for (int v = 0; v < 4; ++v) {
-        const int64_t off = 32 + 32 * v;
-        const __m512i raw0 = pair512(t0 + off, t1 + off), raw1 = pair512(t2 + off, t3 + off);
-        const __m512i lo0 = _mm512_and_si512(raw0, low_nibbles), lo1 = _mm512_and_si512(raw1, low_nibbles);
-        const __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(raw0, 4), low_nibbles);
-        const __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(raw1, 4), low_nibbles);
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* ar = a + r * k + 8 * V;
+        const __m512i alo = _mm512_set1_epi32(load_i32(ar)), ahi = _mm512_set1_epi32(load_i32(ar + 4));
+        isum[r][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[r][0], lo0, alo), hi0, ahi);
+        isum[r][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[r][1], lo1, alo), hi1, ahi);
+      }
+    };
+    const auto scale_half = [&](int half) {
 #pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) {
-          const int8_t* ar = a + r * k + 8 * v;
-          const __m512i alo = _mm512_set1_epi32(load_i32(ar)), ahi = _mm512_set1_epi32(load_i32(ar + 4));
-          isum[r][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[r][0], lo0, alo), hi0, ahi);
-          isum[r][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[r][1], lo1, alo), hi1, ahi);
+      for (int r = 0; r < MR; ++r) {
+        const __m512 dar = _mm512_set1_ps(da[r * nb + b]);
+        if constexpr (kSym) {
+          const __m512i off32 = _mm512_set1_epi32(32 * hs[r * 2 * nb + 2 * b + half]);
+          acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][0], off32)), _mm512_mul_ps(d0, dar), acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][1], off32)), _mm512_mul_ps(d1, dar), acc[r][1]);
+          isum[r][0] = isum[r][1] = _mm512_setzero_si512();
+        } else {
+          acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][0]), _mm512_mul_ps(d0, dar), acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][1]), _mm512_mul_ps(d1, dar), acc[r][1]);
+          const __m512 sar = _mm512_set1_ps(sa[r * nb + b]);
+          acc[r][0] = _mm512_fmadd_ps(m0, sar, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(m1, sar, acc[r][1]);
         }
       }
+    };
+    block_scales512<kType>(h0, t0, stride, 0, d0, m0);
+    block_scales512<kType>(h2, t2, stride, 0, d1, m1);
+    vector(std::integral_constant<int, 0>{});
+    vector(std::integral_constant<int, 1>{});
+    if constexpr (kSym) {
+      scale_half(0);
+      block_scales512<kType>(h0, t0, stride, 1, d0, m0);
+      block_scales512<kType>(h2, t2, stride, 1, d1, m1);
     }
-    const __m512 dw0 = halves512(t0, t1), dw1 = halves512(t2, t3);
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      const __m512 dar = _mm512_set1_ps(da[r * nb + b]);
-      acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][0]), _mm512_mul_ps(dw0, dar), acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][1]), _mm512_mul_ps(dw1, dar), acc[r][1]);
-    }
-    if constexpr (!kQ8) {
-      const __m512 mw0 = halves512(t0 + 16, t1 + 16), mw1 = halves512(t2 + 16, t3 + 16);
-#pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r) {
-        const __m512 sar = _mm512_set1_ps(sa[r * nb + b]);
-        acc[r][0] = _mm512_fmadd_ps(mw0, sar, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(mw1, sar, acc[r][1]);
-      }
-    }
+    vector(std::integral_constant<int, 2>{});
+    vector(std::integral_constant<int, 3>{});
+    scale_half(kSym ? 1 : 0);
   }
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
     store_row512(out + r * ldo, acc[r][0], acc[r][1], bias);
   }
 }
+#pragma GCC pop_options
 
-template <bool kQ8>
+template <int64_t kType>
 void rows_quad_vnni(int64_t rows, const uint8_t* tiles, int64_t stride, int64_t nb, const int8_t* qa, int64_t k,
-                    const float* da, const float* sa, float* out, int64_t ldo, const float* bias) {
+                    const float* da, const float* sa, const int32_t* hs, float* out, int64_t ldo, const float* bias) {
   switch (rows) {
-    case 1: return quad_dot_vnni<1, kQ8>(tiles, stride, nb, qa, k, da, sa, out, ldo, bias);
-    case 2: return quad_dot_vnni<2, kQ8>(tiles, stride, nb, qa, k, da, sa, out, ldo, bias);
-    case 3: return quad_dot_vnni<3, kQ8>(tiles, stride, nb, qa, k, da, sa, out, ldo, bias);
-    case 4: return quad_dot_vnni<4, kQ8>(tiles, stride, nb, qa, k, da, sa, out, ldo, bias);
-    case 5: return quad_dot_vnni<5, kQ8>(tiles, stride, nb, qa, k, da, sa, out, ldo, bias);
-    default: return quad_dot_vnni<6, kQ8>(tiles, stride, nb, qa, k, da, sa, out, ldo, bias);
+    case 1: return quad_dot_vnni<1, kType>(tiles, stride, nb, qa, k, da, sa, hs, out, ldo, bias);
+    case 2: return quad_dot_vnni<2, kType>(tiles, stride, nb, qa, k, da, sa, hs, out, ldo, bias);
+    case 3: return quad_dot_vnni<3, kType>(tiles, stride, nb, qa, k, da, sa, hs, out, ldo, bias);
+    case 4: return quad_dot_vnni<4, kType>(tiles, stride, nb, qa, k, da, sa, hs, out, ldo, bias);
+    case 5: return quad_dot_vnni<5, kType>(tiles, stride, nb, qa, k, da, sa, hs, out, ldo, bias);
+    default: return quad_dot_vnni<6, kType>(tiles, stride, nb, qa, k, da, sa, hs, out, ldo, bias);
   }
 }
 
@@ -266,25 +429,51 @@ void offset_bytes(const int8_t* src, int64_t n, int8_t* dst) {
   for (; i < n; ++i) dst[i] = static_cast<int8_t>(src[i] ^ 0x80);
 }
 
+// One tile group's rows on the AVX2 path, or four groups' on VNNI, for GGML type kType.
+template <int64_t kType>
+void run_groups(int64_t g0, int64_t g1, bool quad, int64_t m, const uint8_t* tiles, int64_t stride, int64_t nb,
+                const int8_t* qa, int64_t k, const float* da, const float* sa, const int32_t* hs, float* dst,
+                int64_t out_features, const float* bias) {
+  if (quad) {
+    const float* bias_g = bias ? bias + g0 * kTileCols : nullptr;
+    for (int64_t r = 0; r < m; r += kRowTileVnni) {
+      const int64_t rows = std::min(kRowTileVnni, m - r);
+      rows_quad_vnni<kType>(rows, tiles + g0 * stride, stride, nb, qa + r * k, k, da + r * nb, sa + r * nb,
+                            hs + r * 2 * nb, dst + r * out_features + g0 * kTileCols, out_features, bias_g);
+    }
+    return;
+  }
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t ncols = std::min(kTileCols, out_features - g * kTileCols);
+    const float* bias_g = bias ? bias + g * kTileCols : nullptr;
+    for (int64_t r = 0; r < m; r += kRowTile) {
+      const int64_t rows = std::min(kRowTile, m - r);
+      rows_dot<kType>(rows, tiles + g * stride, nb, qa + r * k, k, da + r * nb, sa + r * nb, hs + r * 2 * nb,
+                      dst + r * out_features + g * kTileCols, out_features, ncols, bias_g);
+    }
+  }
+}
+
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t out_features,
                         const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0,
-              "quant_linear: qtype must be a GGML type id of Q4_0 (2), Q4_1 (3) or Q8_0 (8), got ", qtype);
   auto [in, out, bias_padded, k, nb, ng, m] = check_tiled_linear("quant_linear", x, packed, qtype, out_features, bias);
   if (m == 0) return out;
 
   at::Tensor qa = at::empty({m, k}, x.options().dtype(at::kChar));
   at::Tensor scales = at::empty({2, m, nb}, x.options());
+  at::Tensor half_sums = at::empty({m, 2 * nb}, x.options().dtype(at::kInt));
   const float* src = in.data_ptr<float>();
   int8_t* qa_ptr = qa.data_ptr<int8_t>();
   float* da = scales.data_ptr<float>();
   float* sa = da + m * nb;
+  int32_t* hs = half_sums.data_ptr<int32_t>();
   at::parallel_for(0, m, 32, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) quantize_row(src + r * k, nb, qa_ptr + r * k, da + r * nb, sa + r * nb);
+    for (int64_t r = r0; r < r1; ++r)
+      quantize_row(src + r * k, nb, qa_ptr + r * k, da + r * nb, sa + r * nb, hs + r * 2 * nb);
   });
 
   const uint8_t* tiles = packed.data_ptr<uint8_t>();
-  const int64_t tb = packed.size(2);
+  const int64_t stride = packed.size(1) * packed.size(2);  // bytes from one tile group to the next
   const float* bias_ptr = bias.has_value() ? bias_padded.data_ptr<float>() : nullptr;
   float* dst = out.data_ptr<float>();
   const bool q8 = qtype == kQ8_0, vnni = use_avx512_vnni();
@@ -302,30 +491,19 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t q
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t g0 = u * unit, g1 = std::min(ng, g0 + unit);
-      if (vnni && g1 - g0 == 4 && out_features >= g1 * kTileCols) {
-        const float* bias_g = bias_ptr ? bias_ptr + g0 * kTileCols : nullptr;
-        const int8_t* a = q8 ? qa_u8.data_ptr<int8_t>() : qa_ptr;
-        for (int64_t r = 0; r < m; r += kRowTileVnni) {
-          const int64_t rows = std::min(kRowTileVnni, m - r);
-          float* o = dst + r * out_features + g0 * kTileCols;
-          if (q8)
-            rows_quad_vnni<true>(rows, tiles + g0 * nb * tb, nb * tb, nb, a + r * k, k, da + r * nb, sa + r * nb, o, out_features, bias_g);
-          else
-            rows_quad_vnni<false>(rows, tiles + g0 * nb * tb, nb * tb, nb, a + r * k, k, da + r * nb, sa + r * nb, o, out_features, bias_g);
-        }
-        continue;
-      }
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t ncols = std::min(kTileCols, out_features - g * kTileCols);
-        const float* bias_g = bias_ptr ? bias_ptr + g * kTileCols : nullptr;
-        for (int64_t r = 0; r < m; r += kRowTile) {
-          const int64_t rows = std::min(kRowTile, m - r);
-          float* o = dst + r * out_features + g * kTileCols;
-          if (q8)
-            rows_dot<true>(rows, tiles + g * nb * tb, nb, qa_ptr + r * k, k, da + r * nb, sa + r * nb, o, out_features, ncols, bias_g);
-          else
-            rows_dot<false>(rows, tiles + g * nb * tb, nb, qa_ptr + r * k, k, da + r * nb, sa + r * nb, o, out_features, ncols, bias_g);
-        }
+      const bool quad = vnni && g1 - g0 == 4 && out_features >= g1 * kTileCols;
+      const int8_t* a = quad && q8 ? qa_u8.data_ptr<int8_t>() : qa_ptr;
+      switch (qtype) {
+#define PAGEDSERVE_RUN(T) run_groups<T>(g0, g1, quad, m, tiles, stride, nb, a, k, da, sa, hs, dst, out_features, bias_ptr)
+        case kQ8_0: PAGEDSERVE_RUN(kQ8_0); break;
+        case kQ4_0:  // Q4_0's tiles are Q4_1's (m = -8d), Q5_0's Q5_1's (m = -16d)
+        case kQ4_1: PAGEDSERVE_RUN(kQ4_1); break;
+        case kQ5_0:
+        case kQ5_1: PAGEDSERVE_RUN(kQ5_1); break;
+        case kQ4_K: PAGEDSERVE_RUN(kQ4_K); break;
+        case kQ5_K: PAGEDSERVE_RUN(kQ5_K); break;
+        case kQ6_K: PAGEDSERVE_RUN(kQ6_K); break;
+#undef PAGEDSERVE_RUN
       }
     }
   });

@@ -28,10 +28,12 @@ enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ
 //   Q8_0:       [8 fp16 d][8 x 32: chunk c holds values 4c..4c+3]
 //   Q4_0, Q4_1: [8 fp16 d][8 fp16 m][4 x 32: vector v's byte t holds value 8v+t low, 8v+4+t high]
 //               (Q4_0 stores m = -8d, exact in fp16)
-//   Q5_0, Q5_1: the Q4 tile, then 32 bytes whose lane bit i is value i's fifth bit (m = -16d)
+//   Q5_0, Q5_1: the Q4 tile, then 32 bytes of fifth bits (m = -16d): byte t of lane j has
+//               value 8v+t's at bit 2v and 8v+4+t's at bit 2v+1, beside the nibbles they extend
 //   Q4_K, Q5_K: header [8 fp16 d][8 fp16 dmin]; tile [8 u8 s][8 u8 n][nibbles as Q4][Q5's bits]
 //   Q6_K:       header [8 fp16 d]; tile [8 int8 s of values 0-15][8 of 16-31][nibbles as Q4]
-//               [2 x 32: vector h's lane bits 2i, 2i+1 are value 16h+i's bits 4 and 5]
+//               [2 x 32: bits 4-5 of value 8v+t at bits 4(v%2), of 8v+4+t at 4(v%2)+2, in byte t
+//               of lane j of vector v/2]
 // Each value is then one fma of its integer code with two fp32 numbers made exactly from
 // the file's (d * s has at most 18 significant bits): the fp32 value the file defines.
 struct PackedLayout {
@@ -55,6 +57,13 @@ constexpr PackedLayout packed_layout(int64_t qtype) {
     default: return {0, 0, 0, 0};
   }
 }
+
+// Bits of a nibble-format code above its nibble (planes after the nibbles), and the bytes
+// of a tile's scales before the nibbles.
+constexpr int hi_bits(int64_t qtype) {
+  return qtype == kQ6_K ? 2 : (qtype == kQ5_0 || qtype == kQ5_1 || qtype == kQ5_K) ? 1 : 0;
+}
+constexpr int64_t scale_bytes(int64_t qtype) { return packed_layout(qtype).blocks == 1 ? 32 : 16; }
 
 // Bytes of one Q4_0 / Q4_1 / Q8_0 tile (the int8 op's types: one block per super-block).
 inline int64_t tile_bytes(int64_t qtype) { return packed_layout(qtype).tile; }

@@ -44,16 +44,26 @@ void put_codes(uint8_t* tile, int64_t scale_bytes, int hi_bits, int j, const uin
   uint8_t* nib = tile + scale_bytes;
   for (int v = 0; v < 4; ++v)
     for (int t = 0; t < 4; ++t) nib[32 * v + 4 * j + t] = (q[8 * v + t] & 0x0F) | ((q[8 * v + 4 + t] & 0x0F) << 4);
+  // Bits above the nibble, byte-aligned with the nibbles so that the int8 op builds code
+  // bytes with a shift and a mask: plane byte t of lane j holds, for value 8v + t and
+  // 8v + 4 + t, bit 4 at bits 2v and 2v + 1 (one plane); bits 4-5 at bits 4(v % 2) and
+  // 4(v % 2) + 2 of plane v / 2 (two planes).
   uint8_t* hi = nib + 128;
-  if (hi_bits == 1) {
-    uint32_t bits = 0;
-    for (int i = 0; i < 32; ++i) bits |= uint32_t{(q[i] >> 4) & 1u} << i;
-    std::memcpy(hi + 4 * j, &bits, 4);
-  } else if (hi_bits == 2) {
-    for (int h = 0; h < 2; ++h) {
-      uint32_t bits = 0;
-      for (int i = 0; i < 16; ++i) bits |= uint32_t{(q[16 * h + i] >> 4) & 3u} << (2 * i);
-      std::memcpy(hi + 32 * h + 4 * j, &bits, 4);
+  for (int t = 0; t < 4; ++t) {
+    if (hi_bits == 1) {
+      uint8_t bits = 0;
+      for (int v = 0; v < 4; ++v)
+        bits |= (((q[8 * v + t] >> 4) & 1) << (2 * v)) | (((q[8 * v + 4 + t] >> 4) & 1) << (2 * v + 1));
+      hi[4 * j + t] = bits;
+    } else if (hi_bits == 2) {
+      for (int h = 0; h < 2; ++h) {
+        uint8_t bits = 0;
+        for (int u = 0; u < 2; ++u) {
+          const int v = 2 * h + u;
+          bits |= (((q[8 * v + t] >> 4) & 3) << (4 * u)) | (((q[8 * v + 4 + t] >> 4) & 3) << (4 * u + 2));
+        }
+        hi[32 * h + 4 * j + t] = bits;
+      }
     }
   }
 }
@@ -180,15 +190,15 @@ void unpack_lane(int64_t qtype, const uint8_t* hdr, const uint8_t* tile, int j, 
     return;
   }
   const PackedLayout L = packed_layout(qtype);
-  const int64_t scale_bytes = L.blocks == 1 ? 32 : 16;
-  const int hi_bits = qtype == kQ6_K ? 2 : (qtype == kQ5_0 || qtype == kQ5_1 || qtype == kQ5_K) ? 1 : 0;
-  const uint8_t* nib = tile + scale_bytes;
+  const int hi = hi_bits(qtype);
+  const uint8_t* nib = tile + scale_bytes(qtype);
   for (int i = 0; i < 32; ++i) {
     const int v = i / 8, t = i % 8;
     const uint8_t byte = nib[32 * v + 4 * j + t % 4];
     uint32_t q = t < 4 ? byte & 0x0F : byte >> 4;
-    if (hi_bits == 1) q |= ((load_u32(nib + 128 + 4 * j) >> i) & 1) << 4;
-    if (hi_bits == 2) q |= ((load_u32(nib + 128 + 32 * (i / 16) + 4 * j) >> (2 * (i % 16))) & 3) << 4;
+    const int high = t >= 4;
+    if (hi == 1) q |= ((nib[128 + 4 * j + t % 4] >> (2 * v + high)) & 1) << 4;
+    if (hi == 2) q |= ((nib[128 + 32 * (v / 2) + 4 * j + t % 4] >> (4 * (v % 2) + 2 * high)) & 3) << 4;
     float d, m;
     if (L.blocks == 1) {
       d = _cvtsh_ss(load_u16(tile + 2 * j));
