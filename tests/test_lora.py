@@ -318,6 +318,6 @@ def test_bad_adapters_are_clear_value_errors(loaded, adapter_paths, tmp_path):
         EngineConfig(lora_modules=["a=/x"])
     with pytest.raises(ValueError, match="NAME=PATH"):
         EngineConfig(enable_lora=True, lora_modules=["just-a-name"])
-    with pytest.raises(ValueError, match="max_lora_rank must be a positive integer"):
+    with pytest.raises(ValueError, match="max_lora_rank must be an integer >= 1"):
         EngineConfig(enable_lora=True, max_lora_rank=0)
     assert_all_blocks_free(llm)

@@ -22,7 +22,7 @@ from .core.contiguous_kv import CONTIGUOUS_BACKENDS, KV_LAYOUTS, check_kv_layout
 from .core.kv_connector import KVTransferConfig
 from .core.kv_plan import KV_CACHE_DTYPES, check_kv_cache_dtype
 from .core.step_budget import LatencyTarget
-from .core.validation import is_int
+from .core.validation import is_int, require_int
 from .kernels import KERNEL_CHOICES
 from .model.config import GGUF_WEIGHTS, QUANTIZATION_CHOICES
 from .model.device import DEVICE_CHOICES, DTYPE_CHOICES, check_device_options
@@ -128,8 +128,7 @@ class EngineConfig:
         check_kv_cache_dtype(self.kv_cache_dtype)
         self.lora_modules = parse_lora_modules(self.lora_modules)
         for name in ("max_loras", "max_lora_rank"):
-            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+            require_int(name, getattr(self, name), 1)
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")
         if len(self.lora_modules) > self.max_loras:
@@ -150,9 +149,8 @@ class EngineConfig:
                 or not 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         for name in ("kv_cache_memory", "num_threads", "max_cudagraph_batch"):
-            value = getattr(self, name)
-            if value is not None and (not is_int(value) or value <= 0):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if getattr(self, name) is not None:
+                require_int(name, getattr(self, name), 1)
         for name in ("itl_target_ms", "ttft_target_ms"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -161,9 +159,7 @@ class EngineConfig:
 
     def _check_parallel(self) -> None:
         for name in ("tensor_parallel_size", "nnodes"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            require_int(name, getattr(self, name), 1)
         if not is_int(self.node_rank) or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
         if self.tensor_parallel_size % self.nnodes:

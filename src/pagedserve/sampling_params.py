@@ -188,10 +188,6 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS
 
-    @property
-    def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
     def clone(self) -> SamplingParams:
         """A copy that shares no mutable state (stop lists, logit_bias) with this one."""
         return dataclasses.replace(

@@ -70,6 +70,3 @@ class AttentionMetadata:
     def max_query_len(self) -> int:
         return max(self.query_lens_cpu, default=0)
 
-    @property
-    def max_seq_len(self) -> int:
-        return max(self.seq_lens_cpu, default=0)

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..core.validation import is_int
 from .config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -132,8 +133,8 @@ def _check_config(peft: dict, where: Path, max_rank: int) -> tuple[int, float]:
     if peft.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{where}: peft_type {peft.get('peft_type')!r} is not LORA")
     rank, alpha = peft.get("r"), peft.get("lora_alpha")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"{where}: r must be a positive integer, got {rank!r}")
+    if not is_int(rank) or rank < 1:
+        raise ValueError(f"{where}: r must be an integer >= 1, got {rank!r}")
     if rank > max_rank:
         raise ValueError(f"the adapter's rank {rank} is above max_lora_rank ({max_rank}); restart with "
                          f"--max-lora-rank {rank} or more to serve it")

@@ -20,7 +20,6 @@ from ..core.step_budget import LatencyTarget, choose_budget
 from .cost_model import CostModel
 from .scenario import DEFAULT_CHUNK_BUDGET, Scenario, build_scenario
 
-SEVERITIES = ("error", "warning", "info")
 # A step this many times the full-batch decode step is a visible stall for every stream.
 STALL_FACTOR = 2.0
 MAX_GPU_MEMORY_UTILIZATION = 0.95

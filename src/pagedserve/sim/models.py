@@ -38,7 +38,3 @@ def load_model(spec: str) -> ModelConfig:
         return ModelConfig.from_hf_config(path)
     raise ValueError(f"model must be one of {', '.join(MODELS)} or a config.json / .gguf path; got {spec!r}")
 
-
-def weight_params(model: ModelConfig) -> int:
-    """Parameters held in memory: the per-token ones plus an untied input embedding."""
-    return model.num_params + (0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size)

@@ -65,7 +65,6 @@ _LogitBias = Annotated[
 _StopStrings = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]],
                          Field(max_length=MAX_STOP_STRINGS)]
 _ConstraintText = Annotated[str, Field(min_length=1, max_length=MAX_CONSTRAINT_CHARS)]
-_JSON_OBJECT = {"type": "object"}
 
 
 class _Model(BaseModel):
