@@ -10,7 +10,10 @@
 Modes: none (fp32, the reference), q8_0 / q4_0 / q4_1 (quantised from fp32 at load) and
 gguf (the file's own blocks: Q4_1 layers, Q8_0 tied head). Native kernels.
 
-    .venv/bin/python benchmarks/quant_accuracy.py [--modes none,q8_0,q4_0,q4_1,gguf]
+    .venv/bin/python benchmarks/quant_accuracy.py [--modes none,q8_0,q4_0,q4_1,gguf] [--model FILE.gguf]
+
+(`--model`: another GGUF, e.g. a llama-quantize Q4_K_M file; none is then its blocks
+inflated to fp32 and gguf its blocks with int8 activations.)
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ def perplexity(model, ids: list[int], window: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="none,q8_0,q4_0,q4_1,gguf")
+    ap.add_argument("--model", default=None, help="a .gguf; default: the embedded SmolLM2")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--greedy", action=argparse.BooleanOptionalAction, default=True,
@@ -58,7 +62,7 @@ def main() -> None:
     reference: list[list[int]] | None = None
     print(f"{'mode':>6} {'perplexity':>11} {'greedy tokens = fp32':>22} {'prompts identical':>18}")
     for mode in args.modes.split(","):
-        loaded = load_model(quantization=mode)
+        loaded = load_model(args.model, quantization=mode)
         loaded.model.set_kernels(kernels)
         ids = loaded.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
         ppl = perplexity(loaded.model, ids, args.window)
