@@ -65,7 +65,7 @@ def load_shard(model: str | None, rank: int, size: int, pack: bool | None = None
     source = resolve_model(model)
     tokenizer = None
     if source.kind == "gguf":
-        cached = cached_gguf(gguf_cache_dir(source.path)) if use_cache else None
+        cached = cached_gguf(gguf_cache_dir(source.path), source.path) if use_cache else None
         if cached is not None and cached.state is not None:
             config, tokenizer = cached.config, cached.tokenizer
             shard = TPShard(config, rank, size)

@@ -155,6 +155,12 @@ class _Cursor:
         return self.take(self.uint("Q", f"the length of {what}"), what)
 
 
+def header_bytes(path: str | Path) -> int:
+    """Where the header (metadata and tensor table) ends: everything a model's config,
+    tokenizer and tensor layout come from."""
+    return _check_header(Path(path))[2]
+
+
 def read_tensors(path: str | Path) -> list[GGUFTensor]:
     """Every tensor's name, type, shape and bytes (memory-mapped, read-only), from the header
     alone; GGUFFormatError if the table is malformed or a tensor runs past the file."""

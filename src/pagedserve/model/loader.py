@@ -5,8 +5,8 @@ Hugging Face folder (config.json + *.safetensors + tokenizer.json).
 
 A GGUF's metadata costs seconds to read (the `gguf` reader parses the 49k-entry
 vocabulary element by element), so the first load keeps what it found in a cache folder
-keyed by the file's content hash: the model config, the tokenizer and the metadata without
-the vocabulary arrays. Quantised matrices that a native kernel reads are then taken from
+keyed by a hash of the file's header: the model config, the tokenizer and the metadata
+without the vocabulary arrays. Quantised matrices that a native kernel reads are then taken from
 the file's memory map at every start (gguf_file.read_tensors: no copy on disk); only a
 model inflated to float32 (the torch kernels, or `gguf_weights="dense"`) also caches its
 fused float32 weights there, memory-mapped back on later loads.
@@ -50,23 +50,30 @@ class ConvertedGGUF:
     from_cache: bool
 
 
-def cached_gguf(cache_dir: Path) -> ConvertedGGUF | None:
-    """A cache entry (float32 weights memory-mapped where converted), or None if there is none."""
+def _weights_file(cache_dir: Path, path: Path) -> Path:
+    """The float32 conversion of this very file (the folder is keyed by its header only)."""
+    return cache_dir / f"weights-{file_digest(path)}.pt"
+
+
+def cached_gguf(cache_dir: Path, path: Path | None = None) -> ConvertedGGUF | None:
+    """A cache entry, or None if there is none; with `path`, its float32 weights memory-mapped
+    where that file was converted before."""
     meta_file = cache_dir / "model.json"
     if not meta_file.is_file():  # entries appear whole (see _publish_cache)
         return None
     saved = json.loads(meta_file.read_text())
     config = ModelConfig(**saved["config"])
-    weights = cache_dir / "weights.pt"
-    state = torch.load(weights, mmap=True, weights_only=True) if weights.is_file() else None
+    weights = _weights_file(cache_dir, path) if path is not None else None
+    state = torch.load(weights, mmap=True, weights_only=True) if weights is not None and weights.is_file() else None
     tokenizer = Tokenizer.from_pretrained(cache_dir / "tokenizer")
     return ConvertedGGUF(config, state, tokenizer, saved["metadata"], cache_dir, from_cache=True)
 
 
-def gguf_header(path: Path, use_cache: bool = True) -> ConvertedGGUF:
-    """The config, tokenizer and metadata of a GGUF (state None unless converted before)."""
+def gguf_header(path: Path, use_cache: bool = True, weights: bool = False) -> ConvertedGGUF:
+    """The config, tokenizer and metadata of a GGUF; with `weights`, its float32 conversion
+    too where one is cached (else state None)."""
     cache_dir = gguf_cache_dir(path)
-    cached = cached_gguf(cache_dir) if use_cache else None
+    cached = cached_gguf(cache_dir, path if weights else None) if use_cache else None
     if cached is not None:
         return cached
     gguf = GGUFFile(path)
@@ -81,13 +88,13 @@ def gguf_header(path: Path, use_cache: bool = True) -> ConvertedGGUF:
 
 def convert_gguf(path: Path, use_cache: bool = True) -> ConvertedGGUF:
     """The GGUF with its fused float32 weights (every matrix dequantised), cached."""
-    header = gguf_header(path, use_cache)
+    header = gguf_header(path, use_cache, weights=True)
     if header.state is not None:
         return header
     hf = hf_tensors_from_gguf(read_tensors(path), header.config)
     state = fuse_hf_tensors(hf, header.config)
     if use_cache:
-        _publish_weights(header.cache_dir / "weights.pt", state)
+        _publish_weights(_weights_file(header.cache_dir, path), state)
     return dataclasses.replace(header, state=state)
 
 
