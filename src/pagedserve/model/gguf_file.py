@@ -5,8 +5,9 @@ The `gguf` package does the parsing and dequantisation; this module turns its re
 objects into plain data the rest of pagedserve can use, and stands between it and a
 malformed file. `read_tensors` reads the tensor table alone, walking the header with the
 same checks (80 ms on SmolLM2's 49k-entry vocabulary, where the reader takes 2 s): a model
-whose metadata is cached starts from the file's memory map. Either way, whatever is wrong (truncation, bad magic or version, absurd counts,
-dimensions or offsets, unknown types, bad strings, non-finite weights), the caller
+whose metadata is cached starts from the file's memory map. Either way, whatever is wrong
+(truncation, bad magic or version, absurd counts, dimensions or offsets, unknown types,
+bad strings, non-finite weights), the caller
 gets a `ValueError` naming the file and the problem, in time and memory bounded by the
 file's size (tests/test_model_file_fuzz.py).
 """

@@ -8,6 +8,7 @@ blocks. Logits are computed only for the rows asked for.
 from __future__ import annotations
 
 from collections import Counter
+from itertools import groupby
 
 import torch
 import torch.nn.functional as F
@@ -234,39 +235,36 @@ class LlamaModel(nn.Module):
         prepack the fp32 linear layers' weights for oneDNN (`pack`: default when torch has it).
 
         `qtypes` names the state's matrices that are GGUF blocks (weights.fuse_gguf_blocks)
-        and their GGML types (a tuple, with a list of tensors, for a matrix of parts): those layers (and a tied head, from the embedding's blocks) run on the
-        blocks as they are, in fp32 arithmetic when `quantization` is none (the fp32 model
-        the blocks define) and in llama.cpp's int8 otherwise. q8_0 / q4_0 / q4_1 quantises every fp32
+        and their GGML types (a tuple, with a list of tensors, for a matrix of parts): those
+        layers (and a tied head, sharing the embedding's tiles) run on the blocks as they are,
+        in fp32 arithmetic when `quantization` is none (the fp32 model the blocks define) and
+        in llama.cpp's int8 otherwise. q8_0 / q4_0 / q4_1 quantises every fp32
         linear layer at load, and the head to q8_0; the embedding stays fp32 (it is only indexed)."""
         state = dict(state)
         divisors = state.pop("rope_freq_divisors", None)
         if divisors is not None:
             self.rotary.set_freq_divisors(divisors)
-        def activations(qtype: int) -> str:
-            return "fp32" if quantization == "none" else "int8"
-
+        activations = "fp32" if quantization == "none" else "int8"
         for name, qtype in (qtypes or {}).items():
             path = name.removesuffix(".weight")
             blocks, bias = state.pop(name), state.pop(f"{path}.bias", None)
             if path == "embed":
                 self.embed = QuantEmbedding(blocks, qtype)
             elif isinstance(qtype, tuple):  # parts (q, k, v), packed a run of one type at a time
-                layers, row, i = [], 0, 0
-                while i < len(qtype):
-                    j = i + 1
-                    while j < len(qtype) and qtype[j] == qtype[i]:
-                        j += 1
-                    rows = sum(b.shape[0] for b in blocks[i:j])
+                layers, row = [], 0
+                for t, run in groupby(zip(blocks, qtype), key=lambda part: part[1]):
+                    run_blocks = [b for b, _ in run]
+                    rows = sum(b.shape[0] for b in run_blocks)
                     part_bias = None if bias is None else bias[row:row + rows]
-                    layers.append(QuantLinear(blocks[i:j], qtype[i], part_bias, activations(qtype[i])))
-                    row, i = row + rows, j
+                    layers.append(QuantLinear(run_blocks, t, part_bias, activations))
+                    row += rows
                 self.set_submodule(path, layers[0] if len(layers) == 1 else ConcatLinear(layers))
             else:
-                self.set_submodule(path, QuantLinear(blocks, qtype, bias, activations(qtype)))
+                self.set_submodule(path, QuantLinear(blocks, qtype, bias, activations))
         self.load_state_dict(state, strict=True, assign=True)
         if self.lm_head is None:
             if isinstance(self.embed, QuantEmbedding):
-                self.lm_head = QuantLinear(self.embed, self.embed.qtype, activations=activations(self.embed.qtype))
+                self.lm_head = QuantLinear(self.embed, self.embed.qtype, activations=activations)
             else:
                 self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
                 self.lm_head.weight = self.embed.weight  # packing copies it; the embedding keeps its own

@@ -12,9 +12,9 @@ uint8 tensor [N, K / 32 * block bytes]: rows stay rows, so fusing q/k/v or gate/
 QuantLinear repacks the blocks once for pagedserve's native ops, which read them in one
 of two ways: `activations="int8"` (kernels/csrc/quant_linear.cpp) quantises each row's
 activations too and multiplies in integers, llama.cpp's way; `activations="fp32"`
-(dequant_linear.cpp) dequantises the weights in
-registers and multiplies in fp32, which is the fp32 model the blocks define, exactly, at
-about the blocks' bytes per weight (quant_linear.h's PackedLayout). There is no
+(dequant_linear.cpp) dequantises the weights in registers and multiplies in fp32, which is
+the fp32 model the blocks define, exactly, at about the blocks' bytes per weight
+(quant_linear.h's PackedLayout). There is no
 pure-torch forward, since dequantising every call would be slower than the fp32 layer it
 replaces: these layers need the native kernels.
 """
@@ -112,32 +112,21 @@ def dequantize_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     return w.reshape(n, -1)
 
 
-# GGML types whose every block is exactly a Q8_0 block: a signed 8-bit integer per value
-# times the block's fp16 scale. Q5_0 holds d * (q - 16) with q of 5 bits (the ops read it
-# as it is; widening is kept for tests and tools); IQ4_NL d * book[i] with book values in
-# [-127, 113] (no op reads its book): widened, it runs on the Q8_0 kernels at 34 bytes a
-# block (18 in the file) instead of fp32's 128.
-Q5_0, IQ4_NL = 6, 20
+# IQ4_NL holds d * book[i] per value, book values in [-127, 113]: every block is exactly a
+# Q8_0 block (a signed 8-bit integer times the block's fp16 scale). No op reads its book;
+# widened, it runs on the Q8_0 kernels at 34 bytes a block (18 in the file) instead of
+# fp32's 128.
+IQ4_NL = 20
 _IQ4_NL_BOOK = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                             dtype=torch.int8)
 
 
-def widen_to_q8_0(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
-    """Q5_0 or IQ4_NL blocks uint8 [N, row bytes] -> the same values as Q8_0 blocks."""
+def widen_to_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """IQ4_NL blocks uint8 [N, row bytes] -> the same values as Q8_0 blocks."""
     n = blocks.shape[0]
-    if qtype == Q5_0:
-        b = blocks.reshape(n, -1, 22)
-        qh = b[..., 2:6].contiguous().view(torch.int32).to(torch.int64)  # the fifth bits, little-endian
-        high = (qh >> torch.arange(32)) & 1
-        qs = b[..., 6:].to(torch.int64)
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1) | (high << 4)
-        values = (q - 16).to(torch.int8)
-    elif qtype == IQ4_NL:
-        b = blocks.reshape(n, -1, 18)
-        qs = b[..., 2:].to(torch.int64)
-        values = _IQ4_NL_BOOK[torch.cat([qs & 0x0F, qs >> 4], dim=-1)]
-    else:
-        raise ValueError(f"GGML type {qtype} does not widen to Q8_0")
+    b = blocks.reshape(n, -1, 18)
+    qs = b[..., 2:].to(torch.int64)
+    values = _IQ4_NL_BOOK[torch.cat([qs & 0x0F, qs >> 4], dim=-1)]
     return torch.cat([b[..., :2], values.view(torch.uint8)], dim=-1).reshape(n, -1).contiguous()
 
 

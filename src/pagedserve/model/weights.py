@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
@@ -68,8 +69,8 @@ def hf_tensors_from_gguf(
     widen: Collection[int] = (), select: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """fp32 tensors under HF names; matrices whose GGML type is in `keep_blocks` stay in
-    their blocks, uint8 [rows, row bytes] (model/quant.py), and those in `widen` become Q8_0
-    blocks (quant.widen_to_q8_0): rows are whole blocks, so the q/k row permutation below
+    their blocks, uint8 [rows, row bytes] (model/quant.py), and IQ4_NL ones in `widen` become
+    Q8_0 blocks (quant.widen_to_q8_0): rows are whole blocks, so the q/k row permutation below
     applies to them as to floats. `select(name, tensor)` keeps part of each tensor as soon
     as it is read (a tensor-parallel rank's shard)."""
     out: dict[str, torch.Tensor] = {}
@@ -83,7 +84,7 @@ def hf_tensors_from_gguf(
             # Views of the file's memory map: the model's packing copies them once.
             w = np.asarray(t.raw).reshape(t.shape[0], -1)
         elif t.qtype in widen and len(t.shape) == 2:
-            w = widen_to_q8_0(torch.from_numpy(np.asarray(t.raw).reshape(t.shape[0], -1)), int(t.qtype)).numpy()
+            w = widen_to_q8_0(torch.from_numpy(np.asarray(t.raw).reshape(t.shape[0], -1))).numpy()
         else:
             w = t.to_float32()
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -97,8 +98,6 @@ def hf_tensors_from_gguf(
 def _tensor(w: np.ndarray) -> torch.Tensor:
     """torch's view of an array, read-only memory maps included (torch warns about those,
     but nothing here writes to a weight)."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(w)
@@ -184,10 +183,11 @@ def fuse_gguf_blocks(tensors: list[GGUFTensor], config: ModelConfig
                      ) -> tuple[dict[str, Any], dict[str, int | tuple[int, ...]]]:
     """The fused state dict with every matrix that a native kernel reads kept in its GGUF
     blocks (memory-mapped views of the file), and those matrices' GGML types. IQ4_NL
-    matrices arrive widened to Q8_0 (quant.widen_to_q8_0). A fused matrix of several parts (q, k, v) is a
-    list of them with a tuple of their types, not concatenated here: the layer packs them
-    one at a time (no second copy of the model at load), and Q4_K_M stores v in Q6_K beside
-    q and k in Q4_K. One with a part that has no kernel (F16, say) is fp32."""
+    matrices arrive widened to Q8_0 (quant.widen_to_q8_0). A fused matrix of several parts
+    (q, k, v) is a list of them with a tuple of their types, not concatenated here: the
+    layer packs them one at a time (no second copy of the model at load), and Q4_K_M
+    stores v in Q6_K beside q and k in Q4_K. One with a part that has no kernel (F16, say)
+    is fp32."""
     widen = {IQ4_NL}
     types = {_hf_name_for_gguf(t.name): QTYPES["q8_0"] if t.qtype in widen else int(t.qtype) for t in tensors}
     hf = hf_tensors_from_gguf(tensors, config, keep_blocks=NATIVE_TYPES - widen, widen=widen)

@@ -26,9 +26,11 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <type_traits>
 
 #include "isa.h"
 #include "tiles512.h"
+#include "tile_vectors.h"
 #include "vec.h"
 
 namespace pagedserve::quant {
@@ -122,25 +124,11 @@ inline const uint8_t* block_tile(const uint8_t* group, int64_t b, const uint8_t*
   return hdr + L.header + (b % L.blocks) * L.tile;
 }
 
-// Per-column fp32 (d, m) of a nibble block: w = d * code + m (quant_linear.h), the numbers
-// dequant_linear makes; for Q6_K d of the 16 values of `half` and m unused.
-template <int64_t kType>
-inline void block_scales256(const uint8_t* hdr, const uint8_t* t, int half, __m256& d, __m256& m) {
-  const auto u8 = [](const uint8_t* p, bool sign) {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-    return _mm256_cvtepi32_ps(sign ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
-  };
-  const auto ph = [](const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
-  if constexpr (packed_layout(kType).blocks == 1) {
-    d = ph(t);
-    m = ph(t + 16);
-  } else if constexpr (kType == kQ6_K) {
-    d = _mm256_mul_ps(ph(hdr), u8(t + 8 * half, true));
-  } else {
-    d = _mm256_mul_ps(ph(hdr), u8(t, false));
-    m = _mm256_xor_ps(_mm256_mul_ps(ph(hdr + 16), u8(t + 8, false)), _mm256_set1_ps(-0.0f));
-  }
-}
+// The fp32 ops' formats, for each nibble block's per-column (d, m): the very numbers the
+// fp32 op makes (for Q6_K, d of the 16 values of a half; its m is not used here).
+namespace avx2 {
+#include "tile_formats.inc"
+}  // namespace avx2
 
 // MR rows x the 8 columns of one tile group, over all K/32 blocks. Per block (Q6_K: per 16
 // values) the integer dot of codes and int8 activations lands as 8 int32 lanes, then
@@ -212,12 +200,17 @@ void tile_dot(const uint8_t* tiles, int64_t nb, const int8_t* qa, int64_t k, con
         }
       }
     };
-    block_scales256<kType>(hdr, t, 0, d, m);
+    using Scales = avx2::NibbleFormat<V8, kType>;
+    const auto load_scales = [&](int half) {
+      const auto sc = Scales::scales(hdr, t, 0, half);
+      d = sc.d, m = sc.m;
+    };
+    load_scales(0);
     vector(std::integral_constant<int, 0>{});
     vector(std::integral_constant<int, 1>{});
     if constexpr (kSym) {
       scale_half(0);
-      block_scales256<kType>(hdr, t, 1, d, m);
+      load_scales(1);
     }
     vector(std::integral_constant<int, 2>{});
     vector(std::integral_constant<int, 3>{});
@@ -283,26 +276,9 @@ inline void codes512(__m512i raw, __m512i plane, __m512i& lo, __m512i& hi) {
   }
 }
 
-// block_scales256 for two tiles side by side (a at the low half, b = a + stride).
-template <int64_t kType>
-inline void block_scales512(const uint8_t* hdr, const uint8_t* t, int64_t stride, int half, __m512& d, __m512& m) {
-  const auto u8 = [&](const uint8_t* p, bool sign) {
-    const __m128i b = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)),
-                                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + stride)));
-    return _mm512_cvtepi32_ps(sign ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
-  };
-  if constexpr (packed_layout(kType).blocks == 1) {
-    d = halves512(t, t + stride);
-    m = halves512(t + 16, t + 16 + stride);
-  } else if constexpr (kType == kQ6_K) {
-    d = _mm512_mul_ps(halves512(hdr, hdr + stride), u8(t + 8 * half, true));
-  } else {
-    d = _mm512_mul_ps(halves512(hdr, hdr + stride), u8(t, false));
-    m = _mm512_castsi512_ps(_mm512_xor_si512(
-        _mm512_castps_si512(_mm512_mul_ps(halves512(hdr + 16, hdr + 16 + stride), u8(t + 8, false))),
-        _mm512_set1_epi32(INT32_MIN)));
-  }
-}
+namespace avx512 {
+#include "tile_formats.inc"
+}  // namespace avx512
 
 template <int MR, int64_t kType>
 void quad_dot_vnni(const uint8_t* tiles, int64_t stride, int64_t nb, const int8_t* qa, int64_t k, const float* da,
@@ -386,14 +362,17 @@ void quad_dot_vnni(const uint8_t* tiles, int64_t stride, int64_t nb, const int8_
         }
       }
     };
-    block_scales512<kType>(h0, t0, stride, 0, d0, m0);
-    block_scales512<kType>(h2, t2, stride, 0, d1, m1);
+    using Scales = avx512::NibbleFormat<V16, kType>;
+    const auto load_scales = [&](int half) {
+      const auto s0 = Scales::scales(h0, t0, stride, half), s1 = Scales::scales(h2, t2, stride, half);
+      d0 = s0.d, m0 = s0.m, d1 = s1.d, m1 = s1.m;
+    };
+    load_scales(0);
     vector(std::integral_constant<int, 0>{});
     vector(std::integral_constant<int, 1>{});
     if constexpr (kSym) {
       scale_half(0);
-      block_scales512<kType>(h0, t0, stride, 1, d0, m0);
-      block_scales512<kType>(h2, t2, stride, 1, d1, m1);
+      load_scales(1);
     }
     vector(std::integral_constant<int, 2>{});
     vector(std::integral_constant<int, 3>{});

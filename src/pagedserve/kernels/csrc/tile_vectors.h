@@ -1,0 +1,91 @@
+// The vectors of output columns the packed-tile kernels are written over (tile_formats.inc):
+// V8 is one tile's 8 columns in a ymm, V16 two tiles' 16 columns in a zmm (AVX-512 only).
+#pragma once
+
+#include <immintrin.h>
+
+#include <climits>
+#include <cstdint>
+#include <cstring>
+
+#include "tiles512.h"
+
+namespace pagedserve::quant {
+
+// One tile's 8 columns in a ymm.
+struct V8 {
+  using F = __m256;
+  using I = __m256i;
+  static constexpr int kTiles = 1;
+  static constexpr int64_t kCols = 8;
+  static I ld(const uint8_t* p, int64_t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static F ph(const uint8_t* p, int64_t) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F u8(const uint8_t* p, int64_t) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static F i8(const uint8_t* p, int64_t) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  template <int S> static I srli(I a) { return _mm256_srli_epi32(a, S); }
+  template <int S> static I slli(I a) { return _mm256_slli_epi32(a, S); }
+  template <int S> static I srai(I a) { return _mm256_srai_epi32(a, S); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static I seti(int v) { return _mm256_set1_epi32(v); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F zero() { return _mm256_setzero_ps(); }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F neg(F a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F bcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static void store(float* o, F y, const float* bias, int64_t ncols) {
+    if (bias != nullptr) y = _mm256_add_ps(y, _mm256_loadu_ps(bias));
+    if (ncols == kCols) {
+      _mm256_storeu_ps(o, y);
+    } else {
+      float tmp[kCols];
+      _mm256_storeu_ps(tmp, y);
+      std::memcpy(o, tmp, ncols * sizeof(float));
+    }
+  }
+};
+
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+// Two tiles' 16 columns in a zmm (the first tile in the low half).
+struct V16 {
+  using F = __m512;
+  using I = __m512i;
+  static constexpr int kTiles = 2;
+  static constexpr int64_t kCols = 16;
+  static I ld(const uint8_t* p, int64_t s) { return pair512(p, p + s); }
+  static F ph(const uint8_t* p, int64_t s) { return halves512(p, p + s); }
+  static __m128i bytes(const uint8_t* p, int64_t s) {
+    return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)),
+                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + s)));
+  }
+  static F u8(const uint8_t* p, int64_t s) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(p, s))); }
+  static F i8(const uint8_t* p, int64_t s) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(p, s))); }
+  template <int S> static I srli(I a) { return _mm512_srli_epi32(a, S); }
+  template <int S> static I slli(I a) { return _mm512_slli_epi32(a, S); }
+  template <int S> static I srai(I a) { return _mm512_srai_epi32(a, S); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static I seti(int v) { return _mm512_set1_epi32(v); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F neg(F a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F bcast(const float* p) { return _mm512_set1_ps(*p); }
+  static void store(float* o, F y, const float* bias, int64_t) {  // whole vectors only
+    if (bias != nullptr) y = _mm512_add_ps(y, _mm512_loadu_ps(bias));
+    _mm512_storeu_ps(o, y);
+  }
+};
+
+#pragma GCC pop_options
+
+}  // namespace pagedserve::quant
