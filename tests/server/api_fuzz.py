@@ -7,9 +7,15 @@ schema, and schema-violating bodies refused with a 4xx. The counts of statuses p
 operation come back so a run can report what it sent and what came back.
 
 The default test run uses it with a few hundred cases per operation
-(test_server_openapi.py); `make fuzz` runs it as a script with 10,000:
+(test_server_openapi.py) and a few on every engine shape and router mode
+(test_server_shapes.py, tests/router/test_router_fuzz.py); `make fuzz` runs it as a
+script with 10,000 on each (a router's cases go against its own document):
 
     python -m tests.server.api_fuzz --examples 10000 --shapes all --out fuzz-results/api.json
+
+The JSON holds, per shape and operation, the counts by status and the failures; the run
+fails (exit 1) on any 5xx, failed check, request that got no answer, or process that
+did not stay healthy and exit 0.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import hypothesis
+import requests
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis import GenerationMode
@@ -39,6 +46,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 # (a chat with no max_tokens runs to the context length) to a fraction of a second.
 FUZZ_SERVER_FLAGS = ("--max-model-len", "40", "--max-n", "2", "--max-queued-requests", "4")
 CALL_TIMEOUT_S = 60.0
+MAX_FAILURES_KEPT = 20
 # Event streams that run until the client leaves, with no input to vary: a case would only
 # wait out CALL_TIMEOUT_S. test_server_shapes.py reads their first bytes on every engine shape.
 UNFUZZED = frozenset({"GET /v1/kv_events", "GET /dashboard/events"})
@@ -50,11 +58,20 @@ class OperationRun:
     mode: str
     statuses: Counter[int] = field(default_factory=Counter)
     failures: list[str] = field(default_factory=list)
+    unanswered: int = 0  # cases whose request got no response (refused, reset, timed out)
     seconds: float = 0.0
 
     @property
     def cases(self) -> int:
-        return sum(self.statuses.values())
+        return sum(self.statuses.values()) + self.unanswered
+
+    @property
+    def server_errors(self) -> int:
+        return sum(count for status, count in self.statuses.items() if status >= 500)
+
+    def note(self, failure: str) -> None:
+        if len(self.failures) < MAX_FAILURES_KEPT:
+            self.failures.append(failure)
 
 
 def load_schema(base_url: str) -> schemathesis.BaseSchema:
@@ -72,15 +89,20 @@ def fuzz_operation(operation: schemathesis.APIOperation, base_url: str, mode: Ge
               suppress_health_check=list(HealthCheck), phases=[hypothesis.Phase.generate])
     @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
     def one(case: schemathesis.Case) -> None:
-        response = case.call(base_url=base_url, timeout=CALL_TIMEOUT_S, headers=session_headers)
+        try:
+            response = case.call(base_url=base_url, timeout=CALL_TIMEOUT_S, headers=session_headers)
+        # Counted, not raised: a long run goes on to report everything else it finds.
+        except requests.RequestException as error:
+            run.unanswered += 1
+            run.note(f"no answer to {case.body!r:.300}: {type(error).__name__}: {str(error)[:300]}")
+            return
         run.statuses[response.status_code] += 1
         try:
             case.validate_response(response, checks=CHECKS)
         # One failing check is an AssertionError; several come as a FailureGroup (an
         # ExceptionGroup, which `except AssertionError` does not catch).
         except (AssertionError, FailureGroup) as failure:
-            if len(run.failures) < 20:
-                run.failures.append(f"{response.status_code} {case.body!r:.300}: {str(failure)[:600]}")
+            run.note(f"{response.status_code} {case.body!r:.300}: {str(failure)[:600]}")
 
     if seed is not None:
         one = hypothesis.seed(seed)(one)
@@ -127,7 +149,9 @@ def fuzz_parallel(base_url: str, examples: int, workers: int, seed: int | None =
     for run in done:
         merged = runs.setdefault((run.label, run.mode), OperationRun(run.label, run.mode))
         merged.statuses.update(run.statuses)
-        merged.failures.extend(run.failures[: 20 - len(merged.failures)])
+        merged.unanswered += run.unanswered
+        for failure in run.failures:
+            merged.note(failure)
         merged.seconds += run.seconds
     for run in runs.values():
         print(summary(run), file=sys.stderr, flush=True)
@@ -136,12 +160,50 @@ def fuzz_parallel(base_url: str, examples: int, workers: int, seed: int | None =
 
 def summary(run: OperationRun) -> str:
     statuses = ", ".join(f"{status}: {count}" for status, count in sorted(run.statuses.items()))
-    return f"{run.label} [{run.mode}] {run.cases} cases in {run.seconds:.0f} s ({statuses}); " \
+    unanswered = f", {run.unanswered} unanswered" if run.unanswered else ""
+    return f"{run.label} [{run.mode}] {run.cases} cases in {run.seconds:.0f} s ({statuses}{unanswered}); " \
            f"{len(run.failures)} failures"
 
 
+def shape_report(commands: list[list[str]], runs: list[OperationRun], healthy: bool, exit_codes: list[int],
+                 stopped_cleanly: bool) -> dict:
+    """One shape's part of the JSON: its totals, then the counts by status per operation and mode."""
+    return {
+        "commands": commands,  # the front (server or router) first, as exit_codes
+        "cases": sum(r.cases for r in runs),
+        "5xx": sum(r.server_errors for r in runs),
+        "unanswered": sum(r.unanswered for r in runs),
+        "failures": sum(len(r.failures) for r in runs),
+        "healthy_after": healthy,
+        "exit_codes": exit_codes,
+        "stopped_cleanly": stopped_cleanly,
+        "operations": [{"operation": r.label, "mode": r.mode, "cases": r.cases, "seconds": round(r.seconds, 1),
+                        "statuses": {str(k): v for k, v in sorted(r.statuses.items())}, "unanswered": r.unanswered,
+                        "failures": r.failures}
+                       for r in runs],
+    }
+
+
+def passed(shape: dict) -> bool:
+    return (shape["healthy_after"] and shape["stopped_cleanly"]
+            and shape["5xx"] == shape["unanswered"] == shape["failures"] == 0)
+
+
+def markdown_table(report: dict) -> str:
+    """The counts by status per shape and operation, as docs/reliability.md shows them."""
+    lines = ["| shape | operation | positive | negative |", "|---|---|---|---|"]
+    for name, shape in report["shapes"].items():
+        by_label: dict[str, dict[str, str]] = {}
+        for op in shape["operations"]:
+            counts = ", ".join(f"{status}: {count:,}" for status, count in op["statuses"].items())
+            by_label.setdefault(op["operation"], {})[op["mode"]] = counts or "none possible"
+        for label, modes in by_label.items():
+            lines.append(f"| {name} | {label} | {modes.get('positive', '')} | {modes.get('negative', '')} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
-    from .server_process import ENGINE_SHAPES, start_server
+    from .deployments import SHAPES, start_deployment
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", type=int, default=10_000, help="cases per operation and mode")
@@ -150,34 +212,31 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=1,
                         help="client processes at once, each on its own shard of every operation's cases")
     parser.add_argument("--shapes", default="default",
-                        help="comma-separated engine shapes to start a server in and fuzz, or 'all': default, "
-                             + ", ".join(ENGINE_SHAPES))
+                        help="comma-separated shapes to start and fuzz (a server in an engine shape, or a router "
+                             "in front of servers), or 'all': " + ", ".join(SHAPES))
     args = parser.parse_args()
-    shapes = ["default", *ENGINE_SHAPES] if args.shapes == "all" else args.shapes.split(",")
+    shapes = SHAPES if args.shapes == "all" else args.shapes.split(",")
+    if unknown := set(shapes) - set(SHAPES):
+        parser.error(f"unknown shapes {sorted(unknown)}; known: {', '.join(SHAPES)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report: dict = {"examples_per_operation_and_mode": args.examples, "workers": args.workers, "shapes": {}}
-    ok = True
     for shape in shapes:
-        flags = (*FUZZ_SERVER_FLAGS, *ENGINE_SHAPES.get(shape, ()))
-        server = start_server(args.out.parent, *flags)
+        deployment = start_deployment(args.out.parent, shape, *FUZZ_SERVER_FLAGS)
         try:
-            runs = (fuzz_parallel(server.url, args.examples, args.workers, args.seed) if args.workers > 1
-                    else fuzz_all(server.url, args.examples, args.seed))
-            healthy = server.proc.poll() is None
+            runs = (fuzz_parallel(deployment.url, args.examples, args.workers, args.seed) if args.workers > 1
+                    else fuzz_all(deployment.url, args.examples, args.seed))
+            healthy = deployment.healthy()
         finally:
-            exit_code = server.stop()
-        ok = ok and healthy and exit_code == 0 and not any(r.failures for r in runs)
-        report["shapes"][shape] = {
-            "server_flags": list(flags),
-            "server_alive_after": healthy,
-            "server_exit_code": exit_code,
-            "operations": [{"operation": r.label, "mode": r.mode, "cases": r.cases, "seconds": round(r.seconds, 1),
-                            "statuses": {str(k): v for k, v in sorted(r.statuses.items())}, "failures": r.failures}
-                           for r in runs],
-        }
+            exit_codes = deployment.stop()
+        commands = [list(p.proc.args[1:]) for p in deployment.processes]
+        report["shapes"][shape] = shape_report(commands, runs, healthy, exit_codes,
+                                               deployment.stopped_cleanly(exit_codes))
         args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}", file=sys.stderr)
-    return 0 if ok else 1
+    print(markdown_table(report), file=sys.stderr)
+    failed = [name for name, shape in report["shapes"].items() if not passed(shape)]
+    print(f"wrote {args.out}; " + (f"FAILED: {', '.join(failed)}" if failed else "every shape passed"),
+          file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

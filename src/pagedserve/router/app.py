@@ -20,7 +20,7 @@ import aiohttp
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
 from ..entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from ..entrypoints.openai.protocol import APIError, validation_error
@@ -28,6 +28,7 @@ from ..entrypoints.openai.disconnect import sse, until_disconnected
 from ..http.errors import install_error_handlers
 from .backends import Backend, BackendMonitor
 from .metrics import RouterMetrics
+from .openapi import METRICS_RESPONSES, MODELS_RESPONSES, health_responses, proxied_post, serve_document
 from .policies import CacheAwareConfig, Candidate, Picker
 from .prompt_keys import NO_KEYS, PromptKeyer, PromptKeys
 
@@ -206,30 +207,31 @@ def build_router_app(config: RouterConfig, keyer: PromptKeyer | None) -> FastAPI
         finally:
             await router.close()
 
-    app = FastAPI(title="pagedserve router", lifespan=lifespan, redoc_url=None, docs_url=None, openapi_url=None)
+    app = FastAPI(title="pagedserve router", lifespan=lifespan, redoc_url=None, docs_url=None)
     app.state.router = router
 
     def route(path: str) -> None:
         async def endpoint(request: Request) -> Response:
             return await router.proxy(request, path)
 
-        app.add_api_route(path, endpoint, methods=["POST"])
+        app.add_api_route(path, endpoint, name="proxy", **proxied_post(path))
 
     for path in PROXIED_ROUTES:
         route(path)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=MODELS_RESPONSES)
     async def models() -> Response:
         return await router.models()
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=health_responses("At least one replica is up."))
     async def health() -> Response:
         return Response(status_code=200 if any(b.healthy for b in router.backends) else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=METRICS_RESPONSES)
     async def metrics() -> Response:
         return router.metrics.response()
 
+    serve_document(app)
     install_error_handlers(app, {RequestValidationError: validation_error})
 
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_size)

@@ -31,13 +31,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
-from starlette.applications import Starlette
+from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from ..http.errors import APIError, install_error_handlers
 from ..kv_transfer.frame import Frame, Kind, send_frame
+from .openapi import MODELS_RESPONSES, health_responses, proxied_post, serve_document
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -217,20 +217,25 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def build_disagg_app(config: DisaggConfig) -> Starlette:
+def build_disagg_app(config: DisaggConfig) -> FastAPI:
     router = DisaggRouter(config)
-    routes = [Route(p, router.generate, methods=["POST"]) for p in _GENERATION_PATHS]
-    routes += [Route(p, router.passthrough, methods=["GET"]) for p in ("/v1/models", "/health")]
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await router.start()
         try:
             yield
         finally:
             await router.close()
 
-    app = Starlette(routes=routes, lifespan=lifespan)
+    # FastAPI (as the replica router) for the OpenAPI document; the routes parse nothing themselves.
+    app = FastAPI(title="pagedserve P/D router", lifespan=lifespan, redoc_url=None, docs_url=None)
+    for path in _GENERATION_PATHS:
+        app.add_api_route(path, router.generate, name="prefill_then_decode", **proxied_post(path))
+    app.add_api_route("/v1/models", router.passthrough, methods=["GET"], name="models", responses=MODELS_RESPONSES)
+    app.add_api_route("/health", router.passthrough, methods=["GET"], name="health", response_class=Response,
+                      responses=health_responses("A decode instance answered 200."))
+    serve_document(app)
     install_error_handlers(app, {})
     app.state.router = router
     return app
@@ -245,5 +250,5 @@ def add_disagg_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--upstream-timeout", type=float, default=600.0, help="seconds one upstream request may take")
 
 
-def disagg_app_from_args(args: argparse.Namespace) -> Starlette:
+def disagg_app_from_args(args: argparse.Namespace) -> FastAPI:
     return build_disagg_app(DisaggConfig(args.prefill, args.decode, args.upstream_timeout))
