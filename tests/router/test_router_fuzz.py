@@ -46,3 +46,13 @@ def test_schemathesis_finds_nothing_through_the_router(deployment):
     reply = httpx.post(deployment.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
                        timeout=60)
     assert reply.status_code == 200, reply.text
+
+
+@pytest.mark.parametrize("bad_id", [2**64, -1])
+def test_a_token_id_outside_the_vocabulary_gets_the_replicas_400(deployment, bad_id):
+    # make fuzz found it: an id past int64 made the cache_aware router answer 500 (its
+    # prompt keys could not be hashed).
+    body = {"model": MODEL, "prompt": [1] * 48 + [bad_id], "max_tokens": 1}
+    reply = httpx.post(deployment.url + "/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt", reply.text
+    assert deployment.healthy()

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.block_hash import extend_block_hashes
-from ..entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, completion_prompts, \
-    parse_body
+from ..entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_token_ids, \
+    completion_prompts, parse_body
 from ..entrypoints.openai.tool_parsers import TOOL_PARSERS
 from ..entrypoints.openai.tools import plan_tools, render_chat_text, template_messages, tool_chat_tokenizer
 from ..model.tokenizer import Tokenizer
@@ -52,8 +52,13 @@ class PromptKeyer:
         """The first prompt's keys (a request with several prompts goes to one replica)."""
         req = parse_body(body, CompletionRequest)
         prompt = completion_prompts(req.prompt)[0]
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return PromptKeys(token_ids, req.cache_salt)
+        if isinstance(prompt, str):
+            return PromptKeys(self.tokenizer.encode(prompt), req.cache_salt)
+        # The hashes pack ids as int64 (a larger one made the router answer 500). An id the
+        # tokenizer lacks gets the replica's 400, or (a padded vocabulary's tail) only loses
+        # the cache-aware pick.
+        check_token_ids(prompt, self.tokenizer.vocab_size, "prompt")
+        return PromptKeys(list(prompt), req.cache_salt)
 
     def chat(self, body: bytes) -> PromptKeys:
         req = parse_body(body, ChatCompletionRequest)
