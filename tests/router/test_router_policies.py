@@ -88,3 +88,18 @@ def test_both_routers_answer_every_error_in_the_api_shape():
         assert "a bug" not in reply.text
         missing = client.get("/no/such/route")
         assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_the_pd_router_refuses_a_body_over_its_limit_unread():
+    """It parses the body before any instance sees it: without a limit one huge body was
+    held (and parsed) whole in the router's memory."""
+    from starlette.testclient import TestClient
+
+    from pagedserve.router.disagg import DisaggConfig, build_disagg_app
+
+    app = build_disagg_app(DisaggConfig(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], max_request_body_size=1000))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        reply = client.post("/v1/completions", content=b'{"prompt": "' + b"x" * 2000 + b'"}')
+        assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large"
+        # Under the limit it goes on to the instances (none here: the router's own 503).
+        assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 503

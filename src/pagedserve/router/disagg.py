@@ -35,6 +35,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ..entrypoints.openai.middleware import BodyLimitMiddleware
 from ..http.errors import APIError, install_error_handlers
 from ..kv_transfer.frame import Frame, Kind, send_frame
 from .openapi import MODELS_RESPONSES, health_responses, proxied_post, serve_document
@@ -56,6 +57,8 @@ class DisaggConfig:
     decode_urls: Sequence[str]
     # Seconds a whole upstream request may take (a long prompt on a CPU is slow).
     timeout: float = 600.0
+    # As the replica router's: the body is read whole (and parsed) before any instance sees it.
+    max_request_body_size: int = 4 << 20
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:
@@ -237,6 +240,7 @@ def build_disagg_app(config: DisaggConfig) -> FastAPI:
                       responses=health_responses("A decode instance answered 200."))
     serve_document(app)
     install_error_handlers(app, {})
+    app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_size)
     app.state.router = router
     return app
 
