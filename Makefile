@@ -42,7 +42,9 @@ test: setup browser
 test-slow: setup browser
 	$(BIN)/python -m pytest -m slow -q
 
-# Long fuzzing runs; counts by status land in fuzz-results/ (see docs/reliability.md).
+# Long fuzzing runs: a server in every engine shape, then `pagedserve router` in both modes in
+# front of servers; counts by status per shape and operation land in fuzz-results/ (see
+# docs/reliability.md).
 FUZZ_EXAMPLES ?= 10000
 FUZZ_WORKERS ?= 3
 FUZZ_SECONDS ?= 600

@@ -13,8 +13,6 @@ import httpx
 
 from .server_process import ENGINE_SHAPES, ServerProcess, start_router, start_server
 
-# One thread each: a router's servers share the machine.
-ROUTED_SERVER_FLAGS = ("--num-threads", "1", "--disable-uvicorn-access-log", "--no-dashboard")
 
 
 @dataclass(frozen=True)
@@ -71,8 +69,8 @@ def start_deployment(log_dir: Path, shape: str, *server_flags: str) -> Deploymen
         return Deployment(start_server(log_dir, *server_flags, *ENGINE_SHAPES.get(shape, ())))
     router = ROUTER_SHAPES[shape]
     with ThreadPoolExecutor(len(router.server_shapes)) as pool:
-        futures = [pool.submit(start_server, log_dir, *server_flags, *ROUTED_SERVER_FLAGS,
-                               *ENGINE_SHAPES.get(s, ())) for s in router.server_shapes]
+        futures = [pool.submit(start_server, log_dir, *server_flags, *ENGINE_SHAPES.get(s, ()))
+                   for s in router.server_shapes]
     started = [f.result() for f in futures if f.exception() is None]
     try:
         if len(started) < len(futures):
