@@ -14,8 +14,8 @@ script with 10,000 on each (a router's cases go against its own document):
     python -m tests.server.api_fuzz --examples 10000 --shapes all --out fuzz-results/api.json
 
 The JSON holds, per shape and operation, the counts by status and the failures; the run
-fails (exit 1) on any 5xx, failed check, request that got no answer, or process that
-did not stay healthy and exit 0.
+fails (exit 1) on any 5xx, failed check or request that got no answer, or a process that
+did not stay healthy or stop cleanly on SIGTERM.
 """
 from __future__ import annotations
 
@@ -192,15 +192,24 @@ def passed(shape: dict) -> bool:
 
 
 def markdown_table(report: dict) -> str:
-    """The counts by status per shape and operation, as docs/reliability.md shows them."""
+    """The counts by status per shape and operation, as docs/reliability.md shows them; the
+    operations that take no input (one case each, the same status) share a row."""
     lines = ["| shape | operation | positive | negative |", "|---|---|---|---|"]
     for name, shape in report["shapes"].items():
         by_label: dict[str, dict[str, str]] = {}
         for op in shape["operations"]:
             counts = ", ".join(f"{status}: {count:,}" for status, count in op["statuses"].items())
             by_label.setdefault(op["operation"], {})[op["mode"]] = counts or "none possible"
+        no_input = [label for label, modes in by_label.items() if modes == {"positive": "200: 1",
+                                                                           "negative": "none possible"}]
         for label, modes in by_label.items():
-            lines.append(f"| {name} | {label} | {modes.get('positive', '')} | {modes.get('negative', '')} |")
+            if label not in no_input:
+                lines.append(f"| {name} | {label} | {modes['positive']} | {modes['negative']} |")
+        if no_input:
+            lines.append(f"| {name} | {', '.join(no_input)} | 200: 1 each | none possible |")
+        lines.append(f"| {name} | **all** ({shape['cases']:,} cases) | **{shape['5xx']} 5xx, {shape['failures']} "
+                     f"failures, {shape['unanswered']} unanswered** | healthy after: {shape['healthy_after']}, "
+                     f"exit codes {shape['exit_codes']} |")
     return "\n".join(lines)
 
 

@@ -14,7 +14,6 @@ import httpx
 from .server_process import ENGINE_SHAPES, ServerProcess, start_router, start_server
 
 
-
 @dataclass(frozen=True)
 class RouterShape:
     server_shapes: tuple[str, ...]  # the engine shape of each server behind the router
@@ -45,8 +44,7 @@ class Deployment:
 
     def healthy(self) -> bool:
         """Every process alive and answering /health with 200."""
-        return all(p.proc.poll() is None and httpx.get(p.url + "/health", timeout=10).status_code == 200
-                   for p in self.processes)
+        return all(p.proc.poll() is None and _health(p.url) == 200 for p in self.processes)
 
     def stop(self) -> list[int]:
         """SIGTERM to the front first, then to the servers; their exit codes in that order."""
@@ -60,6 +58,13 @@ class Deployment:
 
     def log(self) -> str:
         return "\n".join(f"--- {p.log_path.name}\n{p.log()[-3000:]}" for p in self.processes)
+
+
+def _health(url: str) -> int | None:
+    try:
+        return httpx.get(url + "/health", timeout=10).status_code
+    except httpx.HTTPError:
+        return None
 
 
 def start_deployment(log_dir: Path, shape: str, *server_flags: str) -> Deployment:
