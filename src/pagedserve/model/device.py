@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 # What --quantization may be on CUDA: the block formats run on pagedserve's AVX2 kernels only.
-CUDA_QUANTIZATION = ("none", "fp8")
+CUDA_QUANTIZATION = ("auto", "none", "fp8")
 # Bytes per weight / activation element, by resolved dtype name.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
