@@ -29,26 +29,27 @@ from ... import __version__
 from ...engine.async_engine import AsyncEngine, EngineDeadError
 from ...engine.llm_engine import LLMEngine
 from ...http.bounds import limited_http_protocol
-from ...http.errors import install_error_handlers
+from ...http.errors import APIError, install_error_handlers
+from ...http.json_body import parse_body, validation_error
+from ...http.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from ...http.openai_bodies import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from ...http.tool_parsers import TOOL_PARSERS
+from ...http.tools import template_messages
 from .args import ServerConfig
 from .dashboard import install_dashboard
 from .kv_events import install_kv_events
 from .lora import install_lora_routes
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .middleware import APIKeyMiddleware, BodyLimitMiddleware
 from .openapi import ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse, \
     DetokenizeResponse, ModelList, TokenizeResponse, TokenizerInfoResponse, VersionResponse, body_responses, \
     build_openapi, generation_responses, get_responses, request_body, responses_api_responses
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestLimits, \
-    TokenizeRequest, check_token_ids, max_prompt_chars, parse_body, validation_error
+from .protocol import RequestLimits, check_token_ids, max_prompt_chars
 from .served_models import ServedModels
 from .serving import Admission, OpenAIServing, engine_error
 from .serving_chat import ChatServing
 from .serving_completions import CompletionServing
 from .serving_responses import ResponsesRequest, ResponsesServing
 from .tokenizer_info import tokenizer_info
-from .tool_parsers import TOOL_PARSERS
-from .tools import template_messages
 
 logger = logging.getLogger("pagedserve.server")
 

@@ -18,10 +18,12 @@ from starlette.types import Receive, Scope, Send
 
 from ...engine.async_engine import AsyncEngine, EngineCrashedError, EngineDeadError, GenerationRequest, RequestDelta, RequestStream, \
     SampleDelta
+from ...http.disconnect import sse
+from ...http.errors import APIError
+from ...http.json_body import M, parse_body
 from ...outputs import TokenLogprobs
 from ...sampling_params import SamplingParams
-from .disconnect import sse, until_disconnected  # noqa: F401  (the endpoints import them from here)
-from .protocol import APIError, M, RequestLimits, bad_request, parse_body
+from .protocol import RequestLimits, bad_request
 from .served_models import ServedModels
 
 T = TypeVar("T")
