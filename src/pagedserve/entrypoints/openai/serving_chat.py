@@ -19,13 +19,13 @@ from ...outputs import TokenLogprobs
 from ...sampling_params import SamplingParams
 from ...structured_output.spec import StructuredOutputs
 from .protocol import bad_request, chat_sampling_params, check_prompt_chars, structured_output_param
-from .serving import (SSE_DONE, ChoiceTracker, OpenAIServing, ResponseMeta, Seat, SSEResponse, collect,
-                      engine_failure_event, finite_logprob)
+from .serving import (SSE_DONE, ChoiceTracker, OpenAIServing, ResponseMeta, Seat, ServingContext, SSEResponse,
+                      collect, engine_failure_event, finite_logprob)
 
 
 class ChatServing(OpenAIServing):
-    def __init__(self, *args: Any, tool_parser: ToolParser | None = None):
-        super().__init__(*args)
+    def __init__(self, context: ServingContext, tool_parser: ToolParser | None = None):
+        super().__init__(context)
         self.tool_parser = tool_parser
         self._tool_tokenizer: Tokenizer = tool_chat_tokenizer(self.tokenizer, tool_parser)
 
