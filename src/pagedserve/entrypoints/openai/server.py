@@ -49,7 +49,7 @@ _TOKENIZER_THREADS = 2
 _ABORTED_RESPONSES_GRACE_S = 5.0
 
 
-# Each registers its routes and returns the request models the OpenAPI document adds.
+# In the order their routes appear in /openapi.json; a new group is one more entry.
 ROUTE_GROUPS: tuple[RouteGroup, ...] = (
     openai_routes, tokenizer_routes, operations_routes, kv_event_routes, lora_routes, dashboard_routes,
 )
@@ -57,7 +57,7 @@ ROUTE_GROUPS: tuple[RouteGroup, ...] = (
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     """The ASGI app around `engine`. The engine thread starts and stops with the app's lifespan."""
-    parts = server_parts(engine, config)
+    parts = _server_parts(engine, config)
     app = FastAPI(title="pagedserve", version=__version__, lifespan=_lifespan(parts.context), redoc_url=None,
                   description="An OpenAI-compatible LLM server.", separate_input_output_schemas=False)
     app.state.engine = parts.context.engine
@@ -70,7 +70,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     return app
 
 
-def server_parts(engine: LLMEngine, config: ServerConfig) -> ServerParts:
+def _server_parts(engine: LLMEngine, config: ServerConfig) -> ServerParts:
     """The async engine around `engine`, its admission, metrics and limits, and the tokenizer threads."""
     model_names = config.served_model_name or [engine.loaded.name]
     metrics = ServerMetrics(model_names[0])
