@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from pagedserve.entrypoints.openai.openapi import REQUEST_MODELS
-from pagedserve.entrypoints.openai.protocol import MAX_STOP_STRINGS
+from pagedserve.http.openai_bodies import MAX_STOP_STRINGS
 from pagedserve.sampling_params import MAX_ABS_PENALTY, MAX_LOGPROBS
 
 from .api_fuzz import FUZZ_SERVER_FLAGS, UNFUZZED, fuzz_operation, load_schema, summary

@@ -16,7 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from ...http.openai_bodies import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
                                                DetokenizeRequest)

@@ -21,17 +21,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ...engine.async_engine import EngineDeadError, RequestStream
-from .protocol import APIError, ChatCompletionRequest, _Model, validation_error
-from .serving import ChoiceTracker, SSEResponse, collect, engine_error, until_disconnected
+from ...http.disconnect import until_disconnected
+from ...http.errors import APIError
+from ...http.json_body import StrictModel, validation_error
+from ...http.openai_bodies import ChatCompletionRequest
+from ...http.tool_parsers import ToolCall, ToolCallDelta
+from ...http.tools import ToolPlan
+from .serving import ChoiceTracker, SSEResponse, collect, engine_error
 from .serving_chat import ChatServing
-from .tool_parsers import ToolCall, ToolCallDelta
-from .tools import ToolPlan
 
 # Chat field -> the Responses field a client wrote, for errors found on the chat side.
 _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text"}
 
 
-class ResponsesRequest(_Model):
+class ResponsesRequest(StrictModel):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
