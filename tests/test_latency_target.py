@@ -8,7 +8,7 @@ import pytest
 
 from engine_utils import assert_all_blocks_free, busy_batch, make_llm
 from pagedserve.config import EngineConfig
-from pagedserve.core.step_budget import StepTimeModel
+from pagedserve.core.step_budget import AUTO_ITL_RATIO, LatencyTarget, StepTimeModel
 from pagedserve.engine.step_timing import calibration_entry, prior_step_time_model, step_time_model
 from pagedserve.model.loader import load_model
 
@@ -22,12 +22,14 @@ def _outputs(llm, prompts, params):
     return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("itl_ms", [1.0, 150.0])
+@pytest.mark.parametrize("itl_ms", [1.0, 150.0, None])
 def test_outputs_are_the_fixed_budgets_whatever_the_target(loaded, itl_ms):
     """1 ms: every step gets the minimum chunk beside its decodes; 150 ms: chunks vary
-    with the decode load. Greedy and seeded rows, prefix hits, the busy batch of 32."""
+    with the decode load; None: the automatic target, the default. Greedy and seeded
+    rows, prefix hits, the busy batch of 32."""
     prompts, params = busy_batch(loaded.tokenizer)
-    fixed = make_llm(loaded)
+    fixed = make_llm(loaded, max_num_batched_tokens=256)
+    assert fixed.engine.scheduler.step_budget is None
     targeted = make_llm(loaded, itl_target_ms=itl_ms)
     assert targeted.engine.scheduler.step_budget is not None
     assert targeted.engine.scheduler.config.max_num_batched_tokens == 2048
@@ -52,8 +54,16 @@ def test_target_flags_are_validated_by_name():
         EngineConfig(itl_target_ms=0)
     with pytest.raises(ValueError, match="ttft_target_ms"):
         EngineConfig(ttft_target_ms=float("nan"))
-    assert EngineConfig().latency_target() is None
     assert EngineConfig(ttft_target_ms=500).latency_target().ttft_s == 0.5
+
+
+def test_the_automatic_target_is_the_default_only_where_nothing_fixes_the_budget():
+    assert EngineConfig().latency_target() == LatencyTarget(itl_ratio=AUTO_ITL_RATIO)
+    assert EngineConfig().effective_max_num_batched_tokens(8192) == 2048
+    assert EngineConfig(itl_target_ms=80).latency_target() == LatencyTarget(itl_s=0.08)
+    assert EngineConfig(max_num_batched_tokens=256).latency_target() is None
+    assert EngineConfig(policy="continuous").latency_target() is None
+    assert EngineConfig(enable_chunked_prefill=False).latency_target() is None
 
 
 def test_a_target_needs_chunked_prefill(loaded):

@@ -6,7 +6,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from pagedserve.entrypoints.openai.protocol import APIError, CompletionRequest, max_prompt_chars, parse_body
+from pagedserve.entrypoints.openai.protocol import max_prompt_chars
+from pagedserve.http.errors import APIError
+from pagedserve.http.json_body import parse_body
+from pagedserve.http.openai_bodies import CompletionRequest
 from pagedserve.model.tokenizer import Tokenizer
 
 

@@ -5,8 +5,7 @@ import json
 
 import pytest
 
-from pagedserve.entrypoints.openai.args import TOOL_CALL_PARSERS
-from pagedserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from pagedserve.http.tool_parsers import TOOL_PARSERS
 
 HERMES = TOOL_PARSERS["hermes"]
 TWO_CALLS = (
@@ -27,10 +26,6 @@ def _streamed(text: str, step: int) -> tuple[str, list[tuple[str, str]]]:
         else:
             calls[piece.index][1] += piece.arguments
     return "".join(d.content for d in deltas), [(name, args) for name, args in calls]
-
-
-def test_cli_choices_match_the_parsers():
-    assert set(TOOL_CALL_PARSERS) == set(TOOL_PARSERS)
 
 
 def test_whole_reply_with_content_and_two_calls():

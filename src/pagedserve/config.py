@@ -9,7 +9,6 @@ import os
 from dataclasses import dataclass, field, fields
 
 from .core.config import (
-    CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS,
     MIN_WHOLE_PROMPT_BUDGET,
     POLICIES,
     SCHEDULING_POLICIES,
@@ -21,7 +20,7 @@ from .core.config import (
 from .core.contiguous_kv import CONTIGUOUS_BACKENDS, KV_LAYOUTS, check_kv_layout
 from .core.kv_connector import KVTransferConfig
 from .core.kv_plan import KV_CACHE_DTYPES, check_kv_cache_dtype
-from .core.step_budget import LatencyTarget
+from .core.step_budget import AUTO_ITL_RATIO, LatencyTarget
 from .core.validation import is_int, require_int
 from .kernels import KERNEL_CHOICES
 from .model.config import GGUF_WEIGHTS, QUANTIZATION_CHOICES
@@ -42,6 +41,9 @@ def parse_memory(value: str | int | float) -> int:
             return int(float(s[: -len(unit)]) * mult)
     return int(float(s))
 
+# "auto" is the engine's own choice (engine/placement.py); load_model takes the rest.
+ENGINE_QUANTIZATION = ("auto", *QUANTIZATION_CHOICES)
+
 
 @dataclass
 class EngineConfig:
@@ -49,7 +51,9 @@ class EngineConfig:
     block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
     kv_cache_memory: int | None = field(default=None, metadata={"help": "bytes for the KV cache (e.g. 2GiB); default: a share of free RAM"})
     max_num_seqs: int = field(default=128, metadata={"help": "most requests running at once"})
-    max_num_batched_tokens: int | None = field(default=None, metadata={"help": f"token budget per step (CPU default {CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS})"})
+    max_num_batched_tokens: int | None = field(default=None, metadata={"help": "a fixed token budget per step; default: chosen each step (a step beside decodes within "
+                f"{AUTO_ITL_RATIO:g}x their decode-only time, at most {MIN_WHOLE_PROMPT_BUDGET} tokens) on cpu; "
+                "a fixed budget on cuda (docs/gpu.md)"})
     max_model_len: int | None = field(default=None, metadata={"help": "context length limit; default: the model's"})
     enable_prefix_caching: bool | None = field(default=None, metadata={
         "help": "reuse KV of shared prompt prefixes (default: on with the paged layout, which alone can share)"})
@@ -66,16 +70,19 @@ class EngineConfig:
                 "--max-num-batched-tokens is then the cap (default 2048)"})
     ttft_target_ms: float | None = field(default=None, metadata={
         "help": "with a latency target: how long a step may take when no decode is running (default: up to the cap)"})
-    quantization: str = field(default="none", metadata={
-        "help": "linear-layer weights: none (--dtype); q8_0, q4_0, q4_1 (llama.cpp blocks, quantised at load) or "
-                "gguf (a GGUF's own blocks, not inflated to fp32), CPU-only, on the native kernels; "
-                "fp8 (e4m3 with per-channel scales, through torch._scaled_mm)"})
+    quantization: str = field(default="auto", metadata={
+        "help": "linear-layer weights: auto (gguf for a GGUF file on the CPU's native kernels, as llama.cpp "
+                "runs it; else none); none (--dtype; a GGUF's blocks multiplied in fp32, see --gguf-weights); "
+                "q8_0, q4_0, q4_1 (llama.cpp blocks, quantised at load) or gguf (a GGUF's own blocks with int8 "
+                "activations), CPU-only, on the native kernels; fp8 (e4m3 with per-channel scales, through "
+                "torch._scaled_mm)"})
     gguf_weights: str = field(default="blocks", metadata={
         "help": "with --quantization none: blocks (a GGUF's Q4_0/Q4_1/Q8_0 matrices read in place and multiplied "
                 "in fp32 by the native kernels: the same model at a sixth of the bytes, fastest at small batches) "
                 "or dense (inflated to fp32 matrices for oneDNN, which can be faster at large batches on AVX-512)"})
     kv_cache_dtype: str = field(default="auto", metadata={
-        "help": "KV cache elements: auto (fp32), fp32, fp16 (half the bytes), fp8_e4m3 or fp8_e5m2 (a quarter); "
+        "help": "KV cache elements: auto (fp16 beside a GGUF's int8 path, as llama.cpp; else the model's dtype), "
+                "fp32, fp16 (half the bytes), fp8_e4m3 or fp8_e5m2 (a quarter); "
                 "narrower ones are converted to fp32 as attention reads them"})
     kv_layout: str = field(default="paged", metadata={
         "help": "paged: blocks from a preallocated pool; contiguous: one demand-paged virtual region per "
@@ -123,8 +130,8 @@ class EngineConfig:
             raise ValueError(f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
-        if self.quantization not in QUANTIZATION_CHOICES:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
+        if self.quantization not in ENGINE_QUANTIZATION:
+            raise ValueError(f"quantization must be one of {', '.join(ENGINE_QUANTIZATION)}, got {self.quantization!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
         self.lora_modules = parse_lora_modules(self.lora_modules)
         for name in ("max_loras", "max_lora_rank"):
@@ -138,7 +145,7 @@ class EngineConfig:
         elif self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         self._check_kv_layout()
-        if self.quantization not in ("none", "fp8") and self.kernels == "torch":
+        if self.quantization not in ("auto", "none", "fp8") and self.kernels == "torch":
             raise ValueError(f"quantization={self.quantization!r} runs on the native kernels; kernels='torch' has none")
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 (the adapters are not sharded)")
@@ -173,7 +180,7 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:
             if self.speculative_config is not None:
                 raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")
-            if self.quantization != "none":
+            if self.quantization not in ("auto", "none"):
                 raise ValueError(f"quantization={self.quantization!r} is not supported with tensor_parallel_size > 1 "
                                  "(the shards are fp32; use quantization='none')")
             if self.kv_transfer_config is not None:
@@ -209,22 +216,31 @@ class EngineConfig:
                              "are paged); use method 'ngram' with the contiguous layout")
 
     def effective_max_num_batched_tokens(self, max_model_len: int) -> int:
-        """The flag if given; else 256 when prompts are chunked, and when they are not
-        (policies continuous, static, naive) a budget that holds a whole prompt, as vLLM."""
+        """The flag if given; else, when a target (given or automatic) sizes each step, the
+        cap it works under; else (policies continuous, static, naive) a budget that holds
+        a whole prompt, as vLLM."""
         if self.max_num_batched_tokens:
             return self.max_num_batched_tokens
         if self.latency_target() is not None:
             # The target sizes steps; the cap only has to let a wave of prompts into one (vLLM's 2,048).
             return MIN_WHOLE_PROMPT_BUDGET
-        if chunks_prefill(self.policy, self.enable_chunked_prefill):
-            return CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
         return whole_prompt_budget(max_model_len, self.max_num_seqs)
 
+    @property
+    def has_latency_target(self) -> bool:
+        """Whether the user gave an ITL or TTFT target."""
+        return self.itl_target_ms is not None or self.ttft_target_ms is not None
+
     def latency_target(self) -> LatencyTarget | None:
-        """The ITL/TTFT targets in seconds; None when neither is given (the fixed budget)."""
-        if self.itl_target_ms is None and self.ttft_target_ms is None:
-            return None
-        return LatencyTarget(_ms_to_s(self.itl_target_ms), _ms_to_s(self.ttft_target_ms))
+        """What sizes each step: the ITL/TTFT targets in seconds when given; else, for
+        chunked prefill with no --max-num-batched-tokens, the automatic target (a step
+        beside decodes within AUTO_ITL_RATIO of their decode-only time); None for the
+        fixed budget the user asked for (or a policy that does not chunk)."""
+        if self.has_latency_target:
+            return LatencyTarget(_ms_to_s(self.itl_target_ms), _ms_to_s(self.ttft_target_ms))
+        if self.max_num_batched_tokens is None and chunks_prefill(self.policy, self.enable_chunked_prefill):
+            return LatencyTarget(itl_ratio=AUTO_ITL_RATIO)
+        return None
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(
@@ -260,7 +276,7 @@ class EngineConfig:
             elif f.name in ("policy", "scheduling_policy", "kernels", "quantization", "kv_cache_dtype", "device", "dtype",
                             "kv_layout", "gguf_weights"):
                 choices = {"policy": POLICIES, "scheduling_policy": SCHEDULING_POLICIES, "kernels": KERNEL_CHOICES,
-                           "quantization": QUANTIZATION_CHOICES, "gguf_weights": GGUF_WEIGHTS, "kv_cache_dtype": KV_CACHE_DTYPES,
+                           "quantization": ENGINE_QUANTIZATION, "gguf_weights": GGUF_WEIGHTS, "kv_cache_dtype": KV_CACHE_DTYPES,
                            "device": DEVICE_CHOICES, "dtype": DTYPE_CHOICES, "kv_layout": KV_LAYOUTS}[f.name]
                 parser.add_argument(flag, choices=choices, default=f.default, help=help_text)
             else:

@@ -62,6 +62,22 @@ def test_no_target_is_the_fixed_budget():
     assert choose_budget(MODEL, LatencyTarget(), 256, 10, 1000) == 256
 
 
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_the_automatic_target_holds_a_step_within_its_ratio_of_the_decodes_alone(rows):
+    context = rows * 300
+    decode_only = MODEL.decode_seconds(rows, context) + MODEL.per_sample_s
+    for ratio in (1.5, 2.0, 4.0):
+        budget = choose_budget(MODEL, LatencyTarget(itl_ratio=ratio), 2048, rows, context)
+        prefill = budget - rows
+        step = decode_only + MODEL.per_token_s * prefill + MODEL.per_pair_s * prefill_pairs(prefill, 0)
+        assert prefill == 16 or step <= ratio * decode_only + 1e-12  # the minimum chunk may overrun
+        assert choose_budget(MODEL, LatencyTarget(itl_ratio=ratio), 2048, rows, context, decode_scale=2.0) > budget
+    # An absolute target, where given, wins over the ratio; with nothing decoding neither applies.
+    assert (choose_budget(MODEL, LatencyTarget(itl_s=0.05, itl_ratio=4.0), 2048, rows, context)
+            == choose_budget(MODEL, LatencyTarget(itl_s=0.05), 2048, rows, context))
+    assert choose_budget(MODEL, LatencyTarget(itl_ratio=2.0), 2048, 0, 0) == 2048
+
+
 def test_a_slower_machine_gets_smaller_budgets():
     fast = choose_budget(MODEL, LatencyTarget(itl_s=0.5), 2048, 8, 800)
     slow_prefill = choose_budget(MODEL, LatencyTarget(itl_s=0.5), 2048, 8, 800, prefill_scale=2.0)
@@ -115,7 +131,7 @@ def test_step_budget_learns_from_observed_steps():
 
 
 @pytest.mark.parametrize("bad", [dict(itl_s=0), dict(ttft_s=-1.0), dict(itl_s=math.inf), dict(min_chunk=0),
-                                 dict(min_chunk=True)])
+                                 dict(min_chunk=True), dict(itl_ratio=1.0), dict(itl_ratio=math.nan)])
 def test_invalid_targets_name_the_field(bad):
     field = next(iter(bad))
     with pytest.raises(ValueError, match=field):

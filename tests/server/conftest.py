@@ -26,6 +26,15 @@ def server(server_logs) -> Iterator[ServerProcess]:
     proc.stop()
 
 
+@pytest.fixture(scope="module")
+def fp32_server(server_logs) -> Iterator[ServerProcess]:
+    """The oracle path: the GGUF's blocks multiplied in fp32 with an fp32 cache, which
+    equals transformers' float32 model (the default server runs int8 activations)."""
+    proc = start_server(server_logs, "--quantization", "none")
+    yield proc
+    proc.stop()
+
+
 @pytest.fixture(scope="session")
 def spec_server(server_logs) -> Iterator[ServerProcess]:
     """A server with n-gram speculative decoding, whose /metrics carries the spec_decode_* series."""

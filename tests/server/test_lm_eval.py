@@ -1,5 +1,6 @@
-"""EleutherAI's lm-evaluation-harness against a live server scores what `lm-eval --model hf`
-scores on the same GGUF (transformers, float32).
+"""EleutherAI's lm-evaluation-harness against a live server on the fp32 path
+(`--quantization none`) scores what `lm-eval --model hf` scores on the same GGUF
+(transformers, float32).
 
 The reference tokenizes with the model's own tokenizer (pagedserve's, saved in Hugging
 Face's layout and loaded by transformers): transformers' GGUF conversion skips SmolLM's
@@ -94,10 +95,10 @@ def _check_loglikelihood_task(ours: dict, ref: dict, task: str, scored_texts, to
     return bounds
 
 
-def test_local_completions_scores_equal_the_hf_reference(server, model, task_manager, hf_lm, reference_tokenizer):
+def test_local_completions_scores_equal_the_hf_reference(fp32_server, model, task_manager, hf_lm, reference_tokenizer):
     # The defaults a user would give: the harness finds the server's tokenizer itself.
     ours = _evaluate("local-completions", LOGLIKELIHOOD_TASKS, task_manager, batch_size=4, model_args={
-        "model": model, "base_url": server.url + "/v1/completions", "max_length": SERVER_MAX_LENGTH,
+        "model": model, "base_url": fp32_server.url + "/v1/completions", "max_length": SERVER_MAX_LENGTH,
         "num_concurrent": 3})
     ref = _evaluate(hf_lm, LOGLIKELIHOOD_TASKS, task_manager)
     assert ours["config"]["model"] == "local-completions"
@@ -131,9 +132,9 @@ def test_local_completions_scores_equal_the_hf_reference(server, model, task_man
           {task: (_scores(ours, task), _scores(ref, task)) for task in LOGLIKELIHOOD_TASKS})
 
 
-def test_local_chat_completions_generates_what_hf_generates(server, model, task_manager, hf_lm):
+def test_local_chat_completions_generates_what_hf_generates(fp32_server, model, task_manager, hf_lm):
     ours = _evaluate("local-chat-completions", [GENERATE_TASK], task_manager, apply_chat_template=True, model_args={
-        "model": model, "base_url": server.url + "/v1/chat/completions", "num_concurrent": 4})
+        "model": model, "base_url": fp32_server.url + "/v1/chat/completions", "num_concurrent": 4})
     ref = _evaluate(hf_lm, [GENERATE_TASK], task_manager, apply_chat_template=True)
 
     def replies(out: dict) -> list[str]:

@@ -87,7 +87,7 @@ def test_metrics_and_openapi_open_with_the_key(keyed_server):
 
 def test_keys_are_compared_as_equal_length_digests(monkeypatch):
     """Constant time whatever the length: compare_digest only ever sees two 32-byte digests."""
-    from pagedserve.entrypoints.openai import middleware
+    from pagedserve.http import middleware
 
     seen: list[tuple[int, int]] = []
     real = middleware.hmac.compare_digest

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from pagedserve.entrypoints.openai.protocol import MAX_CONSTRAINT_CHARS, MAX_LOGIT_BIAS_ENTRIES, \
+from pagedserve.http.openai_bodies import MAX_CONSTRAINT_CHARS, MAX_LOGIT_BIAS_ENTRIES, \
     MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 from .server_process import read_answer, start_server

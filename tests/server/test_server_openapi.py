@@ -12,8 +12,8 @@ import httpx
 import jsonschema
 import pytest
 
-from pagedserve.entrypoints.openai.openapi import REQUEST_MODELS
-from pagedserve.entrypoints.openai.protocol import MAX_STOP_STRINGS
+from pagedserve.http.openapi import REQUEST_MODELS
+from pagedserve.http.openai_bodies import MAX_STOP_STRINGS
 from pagedserve.sampling_params import MAX_ABS_PENALTY, MAX_LOGPROBS
 
 from .api_fuzz import FUZZ_SERVER_FLAGS, UNFUZZED, fuzz_operation, load_schema, summary

@@ -126,7 +126,12 @@ def paged_attention_kernel(
     share s of the sequence's block table one cache block at a time, loading each K/V
     tile once for all its rows, with an online softmax; causal over the chunk, full over
     the context. With one segment it writes the output; with more (split-KV decode) it
-    writes its unnormalised partial and its running max and sum for reduce_segments_kernel."""
+    writes its unnormalised partial and its running max and sum for reduce_segments_kernel.
+
+    Over 80 lines because it is one compiled program: its twenty pointer, stride and
+    constexpr parameters take ten lines, and the tile walk with its online softmax reads
+    as one loop; @triton.jit helpers would hand the same tiles and running state back and
+    forth (they inline anyway) and split what has to be checked together."""
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)

@@ -22,6 +22,12 @@ the budget is chosen every step from a predicted step time:
   150 ms) and a 55 s mean TTFT. So under load the target yields to the fixed budget's
   supply, and below that load it holds.
 
+Without a target from the user (and without a fixed --max-num-batched-tokens) the
+engine runs the automatic target: a step beside decodes may take AUTO_ITL_RATIO times
+the predicted time of those decodes alone, so the light-load tail follows the model
+and the machine with no number to choose (designed in the simulator,
+benchmarks/auto_budget_sim.py, then measured served: docs/benchmarks.md).
+
 The prediction is affine in what a step carries (StepTimeModel, fitted from the
 simulator's calibrated cost model) times a bounded running correction learnt from
 the engine's measured step times (StepTimeCorrection). Pure Python: the simulator
@@ -95,17 +101,27 @@ def predict_step(model: StepTimeModel, rows: list[tuple[int, int]], samples: int
     return sum(step_parts(model, rows, samples))
 
 
+# The automatic target's ratio (EngineConfig with neither a target nor a fixed budget):
+# chosen in the simulator and measured on the engine, docs/benchmarks.md "fast by default".
+AUTO_ITL_RATIO = 2.0
+
+
 @dataclass(frozen=True, slots=True)
 class LatencyTarget:
     itl_s: float | None = None  # p99 inter-token latency to keep while decodes run
     ttft_s: float | None = None  # how long a step may take when no decode is running
     min_chunk: int = 16  # prefill tokens a waiting prompt always gets
+    # Without itl_s: a step beside decodes may take this many times the predicted
+    # decode-only step of the same batch (the target that needs no number from the user).
+    itl_ratio: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("itl_s", "ttft_s"):
+        for name in ("itl_s", "ttft_s", "itl_ratio"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a number > 0 or None, got {value!r}")
+        if self.itl_ratio is not None and self.itl_ratio <= 1:
+            raise ValueError(f"itl_ratio must be > 1 (the decodes alone take 1), got {self.itl_ratio!r}")
         if not is_int(self.min_chunk) or self.min_chunk < 1:
             raise ValueError(f"min_chunk must be a positive integer, got {self.min_chunk!r}")
 
@@ -143,11 +159,16 @@ def choose_budget(
     decode and prefill parts and `margin` how far below the deadline to aim
     (StepTimeCorrection); `floor` is the fewest prefill tokens to allow beside running
     decodes (the supply floor), whatever the target says."""
-    deadline = target.itl_s if decode_rows else target.ttft_s
+    base = decode_scale * (model.decode_seconds(decode_rows, decode_context) + model.per_sample_s)
+    if not decode_rows:
+        deadline = target.ttft_s
+    elif target.itl_s is None and target.itl_ratio is not None:
+        deadline = target.itl_ratio * base
+    else:
+        deadline = target.itl_s
     if deadline is None:
         return cap
     deadline /= margin
-    base = decode_scale * (model.decode_seconds(decode_rows, decode_context) + model.per_sample_s)
     scaled = StepTimeModel(0.0, model.per_token_s * prefill_scale, 0.0, 0.0, model.per_pair_s * prefill_scale)
     prefill = max(target.min_chunk, floor if decode_rows else 0,
                   max_prefill_tokens(scaled, deadline, base, prefill_context))

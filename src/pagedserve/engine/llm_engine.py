@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from ..attention.selector import default_backend_name
-from ..config import CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, default_kv_cache_memory
-from ..core.config import chunks_prefill
+from ..config import EngineConfig, default_kv_cache_memory
+from ..core.config import CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS, chunks_prefill
 from ..core.kv_plan import KV_CACHE_DTYPE_BYTES, KVCachePlan, plan_kv_cache
 from ..core.outputs import SchedulerOutput, SchedulerStats
 from ..core.pd_connector import PagedServeConnectorScheduler
@@ -24,7 +24,7 @@ from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler
 from ..core.step_budget import PromptSupply, StepBudget
 from ..distributed.executor import TensorParallelExecutor
-from ..kernels import kernel_report, resolve_kernels
+from ..kernels import kernel_report
 from ..kv_transfer.base import KVConnectorWorker
 from ..kv_transfer.factory import make_kv_connector_worker
 from ..model.config import ModelConfig
@@ -131,8 +131,11 @@ class LLMEngine:
         torch.set_num_threads(config.rank_num_threads())
         torch.manual_seed(config.seed)
         start = time.perf_counter()
-        self.placement = placement = resolve_placement(config)
-        if (placement.on_gpu and config.max_num_batched_tokens is None and config.latency_target() is None
+        self.placement = placement = resolve_placement(config, loaded)
+        config = self.config = replace(config, quantization=placement.quantization,
+                                       kv_cache_dtype=placement.kv_cache_dtype)
+        # On cuda a step's weight reads are cheap beside its tokens: vLLM's fixed budget, no automatic target.
+        if (placement.on_gpu and config.max_num_batched_tokens is None and not config.has_latency_target
                 and chunks_prefill(config.policy, config.enable_chunked_prefill)):
             config = self.config = replace(config, max_num_batched_tokens=GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS)
         if placement.on_gpu and config.kv_layout == "contiguous":
@@ -146,7 +149,7 @@ class LLMEngine:
                 raise ValueError("tensor_parallel_size > 1 runs on the CPU (gloo) only; use device='cpu'")
         # Rank 0 of tensor parallelism is this process; the executor starts the other ranks.
         self.tp = TensorParallelExecutor(config) if config.tensor_parallel_size > 1 else None
-        self.kernels = "torch" if placement.on_gpu else resolve_kernels(config.kernels)
+        self.kernels = placement.kernels
         try:
             # fp32 on the native kernels reads a GGUF's Q4/Q8 blocks in place (the same model).
             self._build(config, loaded or (self.tp.loaded if self.tp is not None else load_model(
@@ -218,10 +221,11 @@ class LLMEngine:
         self.speculate = True
         logger.info(
             "model %s ready in %.1f s; KV cache %.2f GiB = %d blocks of %d tokens (%d tokens); "
-            "max_model_len %d; token budget %d per step; %s kernels; %s KV",
+            "max_model_len %d; token budget %s; %s kernels; %s KV",
             self.loaded.name, time.perf_counter() - start, plan.num_blocks * plan.bytes_per_block / 2**30,
             plan.num_blocks, config.block_size, plan.num_blocks * config.block_size, self.max_model_len,
-            self.scheduler.config.max_num_batched_tokens,
+            (f"{self.scheduler.config.max_num_batched_tokens} per step" if self.scheduler.step_budget is None
+             else f"chosen per step, at most {self.scheduler.config.max_num_batched_tokens}"),
             kernel_report(self.kernels) if self.tp is None else ", ".join(self.tp.rank_kernels),
             self.runner.kv_caches[0].dtype,
         )
@@ -241,8 +245,12 @@ class LLMEngine:
         if target is None:
             return None
         model, source = step_time_model(self.loaded.config)
-        logger.info("latency target itl %s ms, ttft %s ms (cap %d tokens); step times from %s",
-                    self.config.itl_target_ms, self.config.ttft_target_ms, cap, source)
+        if target.itl_ratio is not None:
+            logger.info("step budget: automatic, a step beside decodes within %.1fx their decode-only time "
+                        "(cap %d tokens); step times from %s", target.itl_ratio, cap, source)
+        else:
+            logger.info("latency target itl %s ms, ttft %s ms (cap %d tokens); step times from %s",
+                        self.config.itl_target_ms, self.config.ttft_target_ms, cap, source)
         return StepBudget(model, target, cap, supply=PromptSupply(CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS))
 
     # -- requests in -------------------------------------------------------------------

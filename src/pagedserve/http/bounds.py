@@ -26,7 +26,7 @@ _REASONS = {408: (b"Request Timeout", "request_timeout"),
 
 
 def _error_response(status: int, message: str) -> bytes:
-    # The API's error shape (entrypoints/openai/protocol.APIError), written by hand: the
+    # The API's error shape (http/errors.APIError), written by hand: the
     # request never reached the app.
     reason, code = _REASONS[status]
     body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,

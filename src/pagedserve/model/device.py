@@ -11,11 +11,12 @@ if TYPE_CHECKING:
     import torch
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-# What --quantization may be on CUDA: the block formats run on pagedserve's AVX2 kernels only.
-CUDA_QUANTIZATION = ("none", "fp8")
-# Bytes per weight / activation element, by resolved dtype name.
+# The compute dtypes, each named as torch names it, with its bytes per weight / activation
+# element: the one list of them (--dtype's choices are these and "auto").
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_CHOICES = ("auto", *DTYPE_BYTES)
+# What --quantization may be on CUDA: the block formats run on pagedserve's AVX2 kernels only.
+CUDA_QUANTIZATION = ("auto", "none", "fp8")
 
 
 def resolve_device_name(choice: str) -> str:
@@ -56,6 +57,9 @@ def check_device_options(device: str, dtype: str, quantization: str, kernels: st
 
 
 def torch_dtype(name: str) -> "torch.dtype":
+    """The torch dtype of a resolved dtype name (KeyError for any other)."""
     import torch
 
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    if name not in DTYPE_BYTES:
+        raise KeyError(name)
+    return getattr(torch, name)

@@ -151,6 +151,7 @@ class LoadedModel:
     config: ModelConfig
     model: LlamaModel
     tokenizer: Tokenizer
+    quantization: str = "none"  # what load_model built (QUANTIZATION_CHOICES)
 
 
 def load_model(
@@ -184,4 +185,4 @@ def load_model(
         state = fuse_hf_tensors(hf_tensors_from_safetensors(source.path), config)
         tokenizer = Tokenizer.from_pretrained(source.path)
     built = build_model(config, state, pack=pack, quantization=quantization, qtypes=qtypes)
-    return LoadedModel(source.name, source, config, built, tokenizer)
+    return LoadedModel(source.name, source, config, built, tokenizer, quantization)

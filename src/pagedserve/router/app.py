@@ -22,10 +22,10 @@ from fastapi.exceptions import RequestValidationError
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
-from ..entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware
-from ..entrypoints.openai.protocol import APIError, validation_error
-from ..entrypoints.openai.disconnect import sse, until_disconnected
-from ..http.errors import install_error_handlers
+from ..http.disconnect import sse, until_disconnected
+from ..http.errors import APIError, install_error_handlers
+from ..http.json_body import validation_error
+from ..http.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from .backends import Backend, BackendMonitor
 from .metrics import RouterMetrics
 from .openapi import METRICS_RESPONSES, MODELS_RESPONSES, health_responses, proxied_post, serve_document

@@ -6,8 +6,9 @@ import os
 from typing import TYPE_CHECKING
 
 from ..config import parse_memory
-from ..entrypoints.openai.args import API_KEY_ENV
 from ..http.bounds import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_HEADER_BYTES, limited_http_protocol
+from ..http.middleware import API_KEY_ENV
+from ..http.tool_parsers import TOOL_PARSERS
 from .policies import POLICIES, CacheAwareConfig
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ def add_replica_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", choices=POLICIES, default="cache_aware")
     g.add_argument("--model", default=None,
                    help="the replicas' model (for its tokenizer and chat template; default: the embedded SmolLM2)")
-    g.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "none"],
+    g.add_argument("--tool-call-parser", default="hermes", choices=[*TOOL_PARSERS, "none"],
                    help="as the replicas' --tool-call-parser (it picks the template tool conversations render with)")
     g.add_argument("--cache-load-weight", type=float, default=d.load_weight,
                    help="cache_aware: prompt tokens one in-flight request is worth")

@@ -26,22 +26,22 @@ import itertools
 import json
 import logging
 import socket
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..entrypoints.openai.middleware import BodyLimitMiddleware
+from ..http.disconnect import CLIENT_CLOSED, sse, unless_disconnected
 from ..http.errors import APIError, install_error_handlers
+from ..http.middleware import BodyLimitMiddleware
 from ..kv_transfer.frame import Frame, Kind, send_frame
 from .openapi import MODELS_RESPONSES, health_responses, proxied_post, serve_document
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # Headers that describe one hop's connection or body, not the request.
 _HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding"}
@@ -99,18 +99,18 @@ class DisaggRouter:
             return _error(400, "kv_transfer_params is set by the router, not the client", "invalid_parameter")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         path = request.url.path
-        prefill = await _unless_disconnected(request, self._prefill_phase(path, body, headers))
+        prefill = await unless_disconnected(request, self._prefill_phase(path, body, headers))
         if prefill is None:
-            return Response(status_code=499)
+            return Response(status_code=CLIENT_CLOSED)
         if isinstance(prefill, Response):
             return prefill
         params = prefill or None
         decode_body = {**body, "kv_transfer_params": params} if params else body
-        response = await _unless_disconnected(request, self._open_decode(path, decode_body, headers))
+        response = await unless_disconnected(request, self._open_decode(path, decode_body, headers))
         if response is None:
             if params:
                 await asyncio.to_thread(_release_remote, params)
-            return Response(status_code=499)
+            return Response(status_code=CLIENT_CLOSED)
         if isinstance(response, Response):
             return response
         return self._relay(response)
@@ -164,9 +164,8 @@ class DisaggRouter:
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 logger.warning("decode instance failed mid-response: %s", e)
                 if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                    yield ("data: " + json.dumps({"error": {"message": "the decode instance failed mid-response",
-                                                             "type": "server_error", "param": None,
-                                                             "code": "decode_failed"}}) + "\n\n").encode()
+                    failed = APIError(500, "the decode instance failed mid-response", code="decode_failed")
+                    yield sse(failed.body()).encode()
             finally:
                 # Closing before the end (the client left) makes the decode instance abort.
                 upstream.close()
@@ -195,29 +194,6 @@ def _release_remote(params: dict[str, Any]) -> None:
             send_frame(s, Frame(Kind.RELEASE, params["remote_request_id"]))
     except (OSError, KeyError, TypeError) as e:
         logger.info("could not release a prefill's blocks: %s", e)
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """`work`'s result, or None (work cancelled) if the client leaves first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
-    return None
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def build_disagg_app(config: DisaggConfig) -> FastAPI:

@@ -2,7 +2,7 @@
 
 What a client gets back through a router is a replica's answer, so each route is
 documented with the server's own request model and responses
-(entrypoints/openai/openapi.py), and schemathesis holds the router to the server's
+(http/openapi.py), and schemathesis holds the router to the server's
 contract. Only the 503 is the router's own: no replica could take the request.
 """
 from __future__ import annotations
@@ -12,12 +12,11 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from ..entrypoints.openai.openapi import ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, \
-    CompletionResponse, DetokenizeResponse, ErrorResponse, ModelList, TokenizeResponse, body_responses, \
-    build_openapi, generation_responses, get_responses, request_body, responses_api_responses
-from ..entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
+from ..http.openai_bodies import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest, \
     TokenizeRequest
-from ..entrypoints.openai.serving_responses import ResponsesRequest
+from ..http.openapi import ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse, \
+    DetokenizeResponse, ErrorResponse, ModelList, TokenizeResponse, body_responses, build_openapi, \
+    generation_responses, get_responses, request_body, responses_api_responses
 
 Responses = dict[int | str, dict[str, Any]]
 

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.block_hash import extend_block_hashes
-from ..entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_token_ids, \
-    completion_prompts, parse_body
-from ..entrypoints.openai.tool_parsers import TOOL_PARSERS
-from ..entrypoints.openai.tools import plan_tools, render_chat_text, template_messages, tool_chat_tokenizer
+from ..http.errors import APIError
+from ..http.json_body import parse_body
+from ..http.openai_bodies import ChatCompletionRequest, CompletionRequest, check_token_ids, completion_prompts
+from ..http.tool_parsers import TOOL_PARSERS
+from ..http.tools import plan_tools, render_chat_text, template_messages, tool_chat_tokenizer
 from ..model.tokenizer import Tokenizer
 
 

@@ -152,31 +152,89 @@ def kv_transfer_seconds(num_tokens: int, kv_bytes_per_token: float, link: str) -
 def simulate_cluster(requests: Sequence[BenchRequest], layout: Layout, setup: ClusterSetup,
                      request_rate: float) -> ClusterResult:
     """Run `requests`, Poisson at `request_rate` (inf: all at once), through `layout`."""
-    sc = setup.scenario(layout.tp)
+    return _ClusterRun(requests, layout, setup, request_rate).run()
 
-    def instance(role: str) -> _Instance:
-        return _Instance(role, sc.sim_config("chunked", seed=setup.seed).scheduler(sc.cost), sc.cost)
 
-    replicas = [instance("both") for _ in range(layout.num_replicas)]
-    prefill = [instance("prefill") for _ in range(layout.num_prefill)]
-    decode = [instance("decode") for _ in range(layout.num_decode)]
-    arrivals = arrival_times(requests, request_rate, setup.seed)
-    records = [RequestRecord(arrivals[i], r.prompt_len, r.output_len) for i, r in enumerate(requests)]
-    kv_per_token = sc.cost.kv_bytes_per_token
-    block_size = sc.block_size
-    events: list[tuple[float, int, str, object]] = []
-    seq = itertools.count()
-    pending: dict[int, tuple[_Instance, SchedulerOutput]] = {}
-    totals = {"bytes": 0, "seconds": 0.0, "recomputed": 0}
-    installed: dict[str, int] = {}  # decode request id -> prompt blocks installed for it
+class _ClusterRun:
+    """One simulation: the instances, the event queue (arrivals, step ends, KV transfers
+    reaching a decode instance) and the running totals."""
 
-    def push(t: float, kind: str, payload: object) -> None:
-        heapq.heappush(events, (t, next(seq), kind, payload))
+    def __init__(self, requests: Sequence[BenchRequest], layout: Layout, setup: ClusterSetup, request_rate: float):
+        sc = setup.scenario(layout.tp)
 
-    def least_loaded(group: list[_Instance]) -> _Instance:
-        return min(group, key=lambda x: x.load)
+        def instance(role: str) -> _Instance:
+            return _Instance(role, sc.sim_config("chunked", seed=setup.seed).scheduler(sc.cost), sc.cost)
 
-    def kick(inst: _Instance, t: float) -> None:
+        self.requests, self.layout, self.link = requests, layout, setup.link
+        self.replicas = [instance("both") for _ in range(layout.num_replicas)]
+        self.prefill = [instance("prefill") for _ in range(layout.num_prefill)]
+        self.decode = [instance("decode") for _ in range(layout.num_decode)]
+        self.arrivals = arrival_times(requests, request_rate, setup.seed)
+        self.records = [RequestRecord(self.arrivals[i], r.prompt_len, r.output_len) for i, r in enumerate(requests)]
+        self.kv_per_token = sc.cost.kv_bytes_per_token
+        self.block_size = sc.block_size
+        self.events: list[tuple[float, int, str, object]] = []
+        self.seq = itertools.count()  # orders same-time events; also keys the steps in flight
+        self.pending: dict[int, tuple[_Instance, SchedulerOutput]] = {}
+        self.transfer_bytes, self.transfer_seconds, self.num_recomputed = 0, 0.0, 0
+        self.installed: dict[str, int] = {}  # decode request id -> prompt blocks installed for it
+
+    def run(self) -> ClusterResult:
+        for i, t in enumerate(self.arrivals):
+            self._push(t, "arrive", i)
+        handlers = {"arrive": self._arrive, "step": self._step_done, "transferred": self._transferred}
+        t = 0.0
+        while self.events:
+            t, _, kind, payload = heapq.heappop(self.events)
+            handlers[kind](payload, t)
+        return ClusterResult(self.layout, self.records, max(t, 1e-9), self.transfer_bytes, self.transfer_seconds,
+                             self.num_recomputed, [x.sched for x in self.replicas + self.prefill + self.decode])
+
+    def _push(self, t: float, kind: str, payload: object) -> None:
+        heapq.heappush(self.events, (t, next(self.seq), kind, payload))
+
+    def _arrive(self, i: int, t: float) -> None:
+        req = self.requests[i]
+        if self.layout.disaggregated:
+            target = _least_loaded(self.prefill)
+            target.sched.add_request(Request(str(i), list(req.prompt_token_ids), 1, arrival_time=t, ignore_eos=True))
+        else:
+            target = _least_loaded(self.replicas)
+            target.sched.add_request(Request(str(i), list(req.prompt_token_ids), req.output_len,
+                                             arrival_time=t, ignore_eos=True))
+        self._kick(target, t)
+
+    def _step_done(self, key: int, t: float) -> None:
+        inst, out = self.pending.pop(key)
+        inst.busy = False
+        sampled = {r.request_id: [SAMPLED_TOKEN] * r.num_samples for r in out.scheduled if r.num_samples}
+        for u in inst.sched.update(out, sampled):
+            i = int(u.request_id)
+            self.records[i].token_times.append(t)
+            if u.finished is None:
+                continue
+            self.records[i].num_preemptions += u.request.num_preemptions
+            if inst.role == "prefill" and self.requests[i].output_len > 1:
+                prompt_len = self.requests[i].prompt_len
+                seconds = kv_transfer_seconds(prompt_len, self.kv_per_token, self.link)
+                self.transfer_bytes += int(prompt_len * self.kv_per_token)
+                self.transfer_seconds += seconds
+                self._push(t + seconds, "transferred", i)
+            elif inst.role == "decode":
+                blocks = self.installed.pop(u.request_id)
+                cached = u.request.num_cached_tokens
+                if cached is not None and cached < blocks * self.block_size:
+                    self.num_recomputed += 1
+        if inst.role == "decode":
+            self._try_install(inst, t)
+        self._kick(inst, t)
+
+    def _transferred(self, i: int, t: float) -> None:
+        d = _least_loaded(self.decode)
+        d.incoming.append(i)
+        self._try_install(d, t)
+
+    def _kick(self, inst: _Instance, t: float) -> None:
         """Start the instance's next step if it is idle and has work."""
         if inst.busy or not inst.sched.has_unfinished_requests():
             return
@@ -184,69 +242,27 @@ def simulate_cluster(requests: Sequence[BenchRequest], layout: Layout, setup: Cl
         if out.is_empty:
             raise AssertionError(f"an instance made no progress at t={t:.3f}s with work pending")
         inst.busy = True
-        key = next(seq)
-        pending[key] = (inst, out)
-        push(t + inst.cost.step_seconds(out), "step", key)
+        key = next(self.seq)
+        self.pending[key] = (inst, out)
+        self._push(t + inst.cost.step_seconds(out), "step", key)
 
-    def try_install(d: _Instance, t: float) -> None:
+    def _try_install(self, d: _Instance, t: float) -> None:
         """Admit transferred requests while the decode pool has room for their blocks."""
         while d.incoming:
             i = d.incoming[0]
-            req = requests[i]
+            req = self.requests[i]
             tokens = req.prompt_token_ids + [SAMPLED_TOKEN]
-            num_blocks = req.prompt_len // block_size
-            if not _install_blocks(d.sched, tokens, num_blocks, block_size):
+            num_blocks = req.prompt_len // self.block_size
+            if not _install_blocks(d.sched, tokens, num_blocks, self.block_size):
                 return
             d.incoming.popleft()
-            installed[str(i)] = num_blocks
+            self.installed[str(i)] = num_blocks
             d.sched.add_request(Request(str(i), tokens, req.output_len - 1, arrival_time=t, ignore_eos=True))
-        kick(d, t)
+        self._kick(d, t)
 
-    for i, t in enumerate(arrivals):
-        push(t, "arrive", i)
-    t = 0.0
-    while events:
-        t, _, kind, payload = heapq.heappop(events)
-        if kind == "arrive":
-            i = payload
-            req = requests[i]
-            if layout.disaggregated:
-                target = least_loaded(prefill)
-                target.sched.add_request(Request(str(i), list(req.prompt_token_ids), 1, arrival_time=t,
-                                                 ignore_eos=True))
-            else:
-                target = least_loaded(replicas)
-                target.sched.add_request(Request(str(i), list(req.prompt_token_ids), req.output_len,
-                                                 arrival_time=t, ignore_eos=True))
-            kick(target, t)
-        elif kind == "step":
-            inst, out = pending.pop(payload)
-            inst.busy = False
-            sampled = {r.request_id: [SAMPLED_TOKEN] * r.num_samples for r in out.scheduled if r.num_samples}
-            for u in inst.sched.update(out, sampled):
-                i = int(u.request_id)
-                records[i].token_times.append(t)
-                if u.finished is None:
-                    continue
-                records[i].num_preemptions += u.request.num_preemptions
-                if inst.role == "prefill" and requests[i].output_len > 1:
-                    seconds = kv_transfer_seconds(requests[i].prompt_len, kv_per_token, setup.link)
-                    totals["bytes"] += int(requests[i].prompt_len * kv_per_token)
-                    totals["seconds"] += seconds
-                    push(t + seconds, "transferred", i)
-                elif inst.role == "decode":
-                    blocks = installed.pop(u.request_id)
-                    if u.request.num_cached_tokens is not None and u.request.num_cached_tokens < blocks * block_size:
-                        totals["recomputed"] += 1
-            if inst.role == "decode":
-                try_install(inst, t)
-            kick(inst, t)
-        else:  # a KV transfer reached a decode instance
-            d = least_loaded(decode)
-            d.incoming.append(payload)
-            try_install(d, t)
-    return ClusterResult(layout, records, max(t, 1e-9), totals["bytes"], totals["seconds"], totals["recomputed"],
-                         [x.sched for x in replicas + prefill + decode])
+
+def _least_loaded(group: list[_Instance]) -> _Instance:
+    return min(group, key=lambda x: x.load)
 
 
 def _install_blocks(sched: Scheduler, token_ids: list[int], num_blocks: int, block_size: int) -> bool:

@@ -44,6 +44,9 @@ class SimConfig:
     # fixed max_num_batched_tokens, which then is the cap.
     itl_target_ms: float | None = None
     ttft_target_ms: float | None = None
+    # Without itl_target_ms: the automatic target, a step beside decodes within this
+    # many times their decode-only time (the engine's default, core.step_budget.AUTO_ITL_RATIO).
+    itl_ratio: float | None = None
     # The contiguous KV layout's regions and page budget; None: the paged pool of num_blocks.
     # It has no prefix cache, so enable_prefix_caching does not apply.
     contiguous: ContiguousLayout | None = None
@@ -56,7 +59,7 @@ class SimConfig:
 
     @property
     def has_latency_target(self) -> bool:
-        return self.itl_target_ms is not None or self.ttft_target_ms is not None
+        return self.itl_target_ms is not None or self.ttft_target_ms is not None or self.itl_ratio is not None
 
     def scheduler(self, cost: CostModel | None = None) -> Scheduler:
         """`cost` prices the latency target's steps (needed when one is set)."""
@@ -64,7 +67,7 @@ class SimConfig:
         if self.has_latency_target:
             if cost is None:
                 raise ValueError("a latency target needs the cost model to predict step times")
-            target = LatencyTarget(ms_to_s(self.itl_target_ms), ms_to_s(self.ttft_target_ms))
+            target = LatencyTarget(ms_to_s(self.itl_target_ms), ms_to_s(self.ttft_target_ms), itl_ratio=self.itl_ratio)
             cap = self.max_num_batched_tokens
             budget = StepBudget(cost.step_time_model(cap), target, cap,
                                 supply=PromptSupply(CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS))

@@ -49,9 +49,11 @@ def measure_matmul_flops(m: int = 512, k: int = 1024, n: int = 1024) -> float:
 
 
 def _engine(policy: str = "chunked", **options):
+    """The engine the twin measures: fp32 weights and cache, which the cost model prices
+    (CostModel(..., "fp32")), whatever the default quantization."""
     from ..engine.llm import LLM
 
-    return LLM(policy=policy, **options)
+    return LLM(policy=policy, quantization="none", kv_cache_dtype="fp32", **options)
 
 
 def interleaved_medians(fns: list, rounds: int) -> list[float]:
@@ -308,11 +310,13 @@ def twin(num_prompts: int = 24, policies: list[str] | None = None, seed: int = 0
         wall = time.perf_counter() - t0
         produced = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         sched = engine.scheduler
+        target = engine.config.latency_target()
         config = SimConfig(policy=policy, num_blocks=sched.kv_cache.num_blocks, block_size=sched.block_size,
                            max_num_seqs=sched.config.max_num_seqs,
                            max_num_batched_tokens=sched.config.max_num_batched_tokens,
                            max_model_len=sched.config.max_model_len,
-                           enable_prefix_caching=sched.cache_config.enable_prefix_caching)
+                           enable_prefix_caching=sched.cache_config.enable_prefix_caching,
+                           itl_ratio=target.itl_ratio if target is not None else None)
         res = simulate(requests, cost, config)
         sim_tput = res.summary()["output_throughput"]
         rows.append({"policy": policy, "engine_output_throughput": produced / wall,

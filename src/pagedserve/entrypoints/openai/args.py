@@ -11,12 +11,9 @@ from dataclasses import dataclass, field
 
 from ...config import EngineConfig, parse_memory
 from ...http.bounds import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_HEADER_BYTES
+from ...http.middleware import API_KEY_ENV
+from ...http.tool_parsers import TOOL_PARSERS
 from ...sampling_params import MAX_LOGPROBS
-
-# The tool-call formats (tool_parsers.TOOL_PARSERS; named here so the CLI does not import the server).
-TOOL_CALL_PARSERS = ("hermes",)
-
-API_KEY_ENV = "PAGEDSERVE_API_KEY"
 
 
 @dataclass
@@ -52,8 +49,8 @@ class ServerConfig:
             raise ValueError(f"header_timeout must be > 0 seconds, got {self.header_timeout}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(f"tool_call_parser must be one of {list(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {list(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty")
 
@@ -89,7 +86,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     g.add_argument("--uvicorn-log-level", default=d.uvicorn_log_level,
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
-    g.add_argument("--tool-call-parser", default=d.tool_call_parser, choices=[*TOOL_CALL_PARSERS, "none"],
+    g.add_argument("--tool-call-parser", default=d.tool_call_parser, choices=[*TOOL_PARSERS, "none"],
                    help="how models write tool calls, for tools / tool_choice (default hermes: <tool_call> JSON); "
                         "'none' refuses requests with tools")
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log one line per HTTP request")

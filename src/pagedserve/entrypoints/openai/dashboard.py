@@ -23,8 +23,9 @@ from starlette.staticfiles import StaticFiles
 
 from ...engine.async_engine import AsyncEngine, StepStats
 from ...engine.dashboard_feed import DashboardFeed
-from .openapi import body_responses, event_stream_responses, html_responses, request_body
-from .protocol import APIError, _Model, parse_body
+from ...http.errors import APIError
+from ...http.json_body import StrictModel, parse_body
+from ...http.openapi import body_responses, event_stream_responses, html_responses, request_body
 
 STATIC_DIR = Path(__file__).parent / "dashboard_static"
 # At most this many frames a second: enough to watch blocks come and go, and a
@@ -137,7 +138,7 @@ def _percentiles(samples: deque[tuple[float, float]]) -> dict[str, float] | None
     return {f"p{p}": round(values[round(last * p / 100)] * 1000, 2) for p in PERCENTILES}
 
 
-class SpeculationRequest(_Model):
+class SpeculationRequest(StrictModel):
     enabled: bool
 
 
@@ -145,7 +146,7 @@ class SpeculationResponse(BaseModel):
     enabled: bool
 
 
-def install_dashboard(app: FastAPI, engine: AsyncEngine, model_name: str, show_prompts: bool) -> list[type[_Model]]:
+def install_dashboard(app: FastAPI, engine: AsyncEngine, model_name: str, show_prompts: bool) -> list[type[StrictModel]]:
     """Serve /dashboard (the page and its assets) and /dashboard/events (the stream); returns
     the routes' request models for the document. The hub is app.state.dashboard."""
     feed = DashboardFeed(show_prompts)

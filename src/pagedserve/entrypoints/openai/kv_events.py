@@ -22,8 +22,8 @@ from starlette.responses import StreamingResponse
 
 from ...engine.async_engine import AsyncEngine, EngineDeadError
 from ...engine.kv_event_feed import KVEventBatch, KVEventFeed, KVSnapshot
-from .openapi import event_stream_responses
-from .protocol import APIError
+from ...http.errors import APIError
+from ...http.openapi import event_stream_responses
 
 # Messages a subscriber may have waiting before it is resynchronised with a snapshot.
 MAX_BACKLOG = 1024

@@ -18,23 +18,24 @@ from starlette.responses import PlainTextResponse
 from ...engine.async_engine import AsyncEngine, EngineDeadError
 from ...engine.llm_engine import LLMEngine
 from ...engine.lora_registry import LoRAModule, UnknownLoRAError
-from .openapi import request_body, text_body_responses
-from .protocol import APIError, _Model, parse_body
+from ...http.errors import APIError
+from ...http.json_body import StrictModel, parse_body
+from ...http.openapi import request_body, text_body_responses
 from .served_models import ServedModels
 from .serving import engine_error
 
 
-class LoadLoRAAdapterRequest(_Model):
+class LoadLoRAAdapterRequest(StrictModel):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
 
 
-class UnloadLoRAAdapterRequest(_Model):
+class UnloadLoRAAdapterRequest(StrictModel):
     lora_name: str = Field(min_length=1)
     lora_path: str | None = None  # accepted as vLLM does; the name decides
 
 
-def install_lora_routes(app: FastAPI, engine: AsyncEngine, models: ServedModels) -> list[type[_Model]]:
+def install_lora_routes(app: FastAPI, engine: AsyncEngine, models: ServedModels) -> list[type[StrictModel]]:
     """The run-time adapter routes (only on a server started with --enable-lora; the API-key
     middleware guards them like every route); returns their request models for the document."""
 

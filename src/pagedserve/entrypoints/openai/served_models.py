@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...engine.lora_registry import LoRAModule
-from .protocol import APIError
+from ...http.errors import APIError
 
 
 class ServedModels:

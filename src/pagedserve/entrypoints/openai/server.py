@@ -13,42 +13,32 @@ import json
 import logging
 import signal
 import socket
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractAsyncContextManager
 from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from ... import __version__
 from ...engine.async_engine import AsyncEngine, EngineDeadError
 from ...engine.llm_engine import LLMEngine
 from ...http.bounds import limited_http_protocol
 from ...http.errors import install_error_handlers
+from ...http.json_body import validation_error
+from ...http.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from ...http.openapi import build_openapi
+from ...http.tool_parsers import TOOL_PARSERS
 from .args import ServerConfig
-from .dashboard import install_dashboard
-from .kv_events import install_kv_events
-from .lora import install_lora_routes
-from .metrics import CONTENT_TYPE, ServerMetrics
-from .middleware import APIKeyMiddleware, BodyLimitMiddleware
-from .openapi import ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse, \
-    DetokenizeResponse, ModelList, TokenizeResponse, TokenizerInfoResponse, VersionResponse, body_responses, \
-    build_openapi, generation_responses, get_responses, request_body, responses_api_responses
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestLimits, \
-    TokenizeRequest, check_token_ids, max_prompt_chars, parse_body, validation_error
+from .metrics import ServerMetrics
+from .protocol import RequestLimits, max_prompt_chars
+from .routes import RouteGroup, ServerParts, dashboard_routes, kv_event_routes, lora_routes, openai_routes, \
+    operations_routes, tokenizer_routes
 from .served_models import ServedModels
-from .serving import Admission, OpenAIServing, engine_error
-from .serving_chat import ChatServing
-from .serving_completions import CompletionServing
-from .serving_responses import ResponsesRequest, ResponsesServing
-from .tokenizer_info import tokenizer_info
-from .tool_parsers import TOOL_PARSERS
-from .tools import template_messages
+from .serving import Admission, ServingContext, engine_error
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -59,109 +49,58 @@ _TOKENIZER_THREADS = 2
 _ABORTED_RESPONSES_GRACE_S = 5.0
 
 
+# In the order their routes appear in /openapi.json; a new group is one more entry.
+ROUTE_GROUPS: tuple[RouteGroup, ...] = (
+    openai_routes, tokenizer_routes, operations_routes, kv_event_routes, lora_routes, dashboard_routes,
+)
+
+
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     """The ASGI app around `engine`. The engine thread starts and stops with the app's lifespan."""
+    parts = _server_parts(engine, config)
+    app = FastAPI(title="pagedserve", version=__version__, lifespan=_lifespan(parts.context), redoc_url=None,
+                  description="An OpenAI-compatible LLM server.", separate_input_output_schemas=False)
+    app.state.engine = parts.context.engine
+    app.state.admission = parts.context.admission
+    request_models = [model for group in ROUTE_GROUPS for model in group(app, parts)]
+    document = build_openapi(app, tuple(request_models))
+    app.openapi = lambda: document  # type: ignore[method-assign]  # built once; the routes are fixed
+    install_error_handlers(app, {RequestValidationError: validation_error, EngineDeadError: engine_error})
+    _add_middleware(app, config)
+    return app
+
+
+def _server_parts(engine: LLMEngine, config: ServerConfig) -> ServerParts:
+    """The async engine around `engine`, its admission, metrics and limits, and the tokenizer threads."""
     model_names = config.served_model_name or [engine.loaded.name]
     metrics = ServerMetrics(model_names[0])
     async_engine = AsyncEngine(engine, on_step=metrics.on_step)
     metrics.watch(async_engine)
-    admission = Admission(async_engine, config.max_queued_requests)
-    executor = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="pagedserve-tokenize")
     vocabulary = engine.tokenizer.backend.get_vocab(with_added_tokens=True)
     limits = RequestLimits(config.max_n, config.max_logprobs, async_engine.vocab_size,
                            max_prompt_chars(vocabulary, async_engine.max_context_len))
-    models = ServedModels(model_names, engine.list_loras())
-    args = (async_engine, admission, limits, models, executor)
+    context = ServingContext(
+        async_engine, Admission(async_engine, config.max_queued_requests), limits,
+        ServedModels(model_names, engine.list_loras()),
+        ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="pagedserve-tokenize"))
     tool_parser = TOOL_PARSERS[config.tool_call_parser] if config.tool_call_parser else None
-    completions, common = CompletionServing(*args), OpenAIServing(*args)
-    chat = ChatServing(*args, tool_parser=tool_parser)
-    responses = ResponsesServing(*args, tool_parser=tool_parser)
-    created = int(time.time())
+    return ServerParts(context, config, metrics, model_names, tool_parser)
 
+
+def _lifespan(context: ServingContext) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async_engine.start()
+        context.engine.start()
         try:
             yield
         finally:
-            await async_engine.close()
-            executor.shutdown(wait=False, cancel_futures=True)
+            await context.engine.close()
+            context.executor.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan, redoc_url=None,
-                  description="An OpenAI-compatible LLM server.", separate_input_output_schemas=False)
-    app.state.engine = async_engine
-    app.state.admission = admission
+    return lifespan
 
-    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
-              responses=generation_responses(CompletionResponse, CompletionChunk))
-    async def create_completion(request: Request) -> Response:
-        return await completions.create(request)
 
-    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest),
-              responses=generation_responses(ChatCompletionResponse, ChatCompletionChunk))
-    async def create_chat_completion(request: Request) -> Response:
-        return await chat.create(request)
-
-    @app.post("/v1/responses", openapi_extra=request_body(ResponsesRequest), responses=responses_api_responses())
-    async def create_response(request: Request) -> Response:
-        return await responses.create(request)
-
-    @app.get("/v1/models", responses=get_responses(ModelList))
-    async def list_models() -> JSONResponse:
-        return JSONResponse({"object": "list",
-                             "data": models.cards(created, engine.loaded.name, async_engine.max_context_len)})
-
-    @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest), responses=body_responses(TokenizeResponse))
-    async def tokenize(request: Request) -> JSONResponse:
-        req = parse_body(await request.body(), TokenizeRequest)
-        common.resolve_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-        if req.prompt is not None:
-            tokens = await common.off_loop(common.tokenizer.encode, req.prompt, req.add_special_tokens)
-        else:
-            tokens = await common.off_loop(chat.render, template_messages(req.messages), req.add_generation_prompt)
-        return JSONResponse({"count": len(tokens), "max_model_len": async_engine.max_context_len, "tokens": tokens})
-
-    @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest),
-              responses=body_responses(DetokenizeResponse))
-    async def detokenize(request: Request) -> JSONResponse:
-        req = parse_body(await request.body(), DetokenizeRequest)
-        common.resolve_model(req.model)
-        check_token_ids(req.tokens, async_engine.vocab_size, "tokens")
-        return JSONResponse({"prompt": await common.off_loop(common.tokenizer.decode, req.tokens)})
-
-    info = tokenizer_info(engine.tokenizer, async_engine.max_context_len)
-
-    @app.get("/tokenizer_info", responses=get_responses(TokenizerInfoResponse))
-    async def get_tokenizer_info() -> JSONResponse:
-        return JSONResponse(info)
-
-    @app.get("/health", response_class=Response, responses={
-        200: {"description": "Serving."},
-        503: {"description": "Not serving: shutting down, or the engine stopped or stalled."}})
-    async def health() -> Response:
-        ok = async_engine.is_healthy and not admission.draining
-        return Response(status_code=200 if ok else 503)
-
-    @app.get("/metrics", response_class=PlainTextResponse,
-             responses=get_responses(description="Prometheus text format."))
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.get("/version", responses=get_responses(VersionResponse))
-    async def version() -> JSONResponse:
-        return JSONResponse({"version": __version__})
-
-    install_kv_events(app, async_engine)
-    request_models: list[type] = [ResponsesRequest]
-    if engine.config.enable_lora:
-        request_models += install_lora_routes(app, async_engine, models)
-    if config.dashboard:
-        request_models += install_dashboard(app, async_engine, model_names[0], config.dashboard_show_prompts)
-    document = build_openapi(app, tuple(request_models))
-    app.openapi = lambda: document  # type: ignore[method-assign]  # built once; the routes are fixed
-    install_error_handlers(app, {RequestValidationError: validation_error, EngineDeadError: engine_error})
+def _add_middleware(app: FastAPI, config: ServerConfig) -> None:
     # Added innermost first: requests pass CORS, then the key check, then the body limit.
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_size)
     if config.api_key:
@@ -169,7 +108,6 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials=False)
-    return app
 
 
 async def drain(app: FastAPI, timeout: float, *, skip_wait: asyncio.Event) -> None:

@@ -18,10 +18,12 @@ from starlette.types import Receive, Scope, Send
 
 from ...engine.async_engine import AsyncEngine, EngineCrashedError, EngineDeadError, GenerationRequest, RequestDelta, RequestStream, \
     SampleDelta
+from ...http.disconnect import sse
+from ...http.errors import APIError
+from ...http.json_body import M, parse_body
 from ...outputs import TokenLogprobs
 from ...sampling_params import SamplingParams
-from .disconnect import sse, until_disconnected  # noqa: F401  (the endpoints import them from here)
-from .protocol import APIError, M, RequestLimits, bad_request, parse_body
+from .protocol import RequestLimits, bad_request
 from .served_models import ServedModels
 
 T = TypeVar("T")
@@ -211,15 +213,25 @@ class SSEResponse(StreamingResponse):
             self._seat.close()
 
 
+@dataclass(frozen=True, slots=True)
+class ServingContext:
+    """What every endpoint serves with; one per app."""
+
+    engine: AsyncEngine
+    admission: Admission
+    limits: RequestLimits
+    models: ServedModels
+    executor: Executor  # the tokenizer threads
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, admission: Admission, limits: RequestLimits,
-                 models: ServedModels, executor: Executor):
-        self.engine = engine
-        self.admission = admission
-        self.limits = limits
-        self.models = models
-        self.tokenizer = engine.engine.tokenizer
-        self._executor = executor
+    def __init__(self, context: ServingContext):
+        self.engine = context.engine
+        self.admission = context.admission
+        self.limits = context.limits
+        self.models = context.models
+        self.tokenizer = context.engine.engine.tokenizer
+        self._executor = context.executor
 
     async def read_request(self, request: Request, model: type[M], id_prefix: str) -> tuple[float, M, ResponseMeta]:
         """The arrival time, the parsed body and the response's id/created/model."""

@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions: the model's own chat template, streamed or not; tool calls (tools.py)."""
+"""POST /v1/chat/completions: the model's own chat template, streamed or not; tool calls (http/tools.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,21 +9,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ...engine.async_engine import EngineDeadError, GenerationRequest, RequestStream
+from ...http.disconnect import sse, until_disconnected
+from ...http.errors import APIError
+from ...http.openai_bodies import ChatCompletionRequest
+from ...http.tool_parsers import StreamingToolParser, ToolParser
+from ...http.tools import ToolPlan, plan_tools, render_chat_text, template_messages, tool_chat_tokenizer
 from ...model.tokenizer import Tokenizer
 from ...outputs import TokenLogprobs
 from ...sampling_params import SamplingParams
 from ...structured_output.spec import StructuredOutputs
-from .protocol import APIError, ChatCompletionRequest, bad_request, chat_sampling_params, check_prompt_chars, \
-    structured_output_param
-from .serving import (SSE_DONE, ChoiceTracker, OpenAIServing, ResponseMeta, Seat, SSEResponse, collect,
-                      engine_failure_event, finite_logprob, sse, until_disconnected)
-from .tool_parsers import StreamingToolParser, ToolParser
-from .tools import ToolPlan, plan_tools, render_chat_text, template_messages, tool_chat_tokenizer
+from .protocol import bad_request, chat_sampling_params, check_prompt_chars, structured_output_param
+from .serving import (SSE_DONE, ChoiceTracker, OpenAIServing, ResponseMeta, Seat, ServingContext, SSEResponse,
+                      collect, engine_failure_event, finite_logprob)
 
 
 class ChatServing(OpenAIServing):
-    def __init__(self, *args: Any, tool_parser: ToolParser | None = None):
-        super().__init__(*args)
+    def __init__(self, context: ServingContext, tool_parser: ToolParser | None = None):
+        super().__init__(context)
         self.tool_parser = tool_parser
         self._tool_tokenizer: Tokenizer = tool_chat_tokenizer(self.tokenizer, tool_parser)
 

@@ -9,11 +9,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ...engine.async_engine import EngineDeadError, GenerationRequest, RequestStream, SampleDelta
+from ...http.disconnect import sse, until_disconnected
+from ...http.errors import APIError
+from ...http.openai_bodies import CompletionRequest, Prompt, check_token_ids, completion_prompts
 from ...outputs import TokenLogprobs
-from .protocol import APIError, CompletionRequest, Prompt, check_prompt_chars, check_token_ids, completion_prompts, \
-    completion_sampling_params, structured_output_param
+from .protocol import check_prompt_chars, completion_sampling_params, structured_output_param
 from .serving import SSE_DONE, ChoiceTracker, OpenAIServing, ResponseMeta, SSEResponse, collect, \
-    engine_failure_event, finite_logprob, sse, until_disconnected
+    engine_failure_event, finite_logprob
 
 
 @dataclass(frozen=True, slots=True)

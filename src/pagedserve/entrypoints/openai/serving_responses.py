@@ -14,38 +14,24 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ...engine.async_engine import EngineDeadError, RequestStream
-from .protocol import APIError, ChatCompletionRequest, _Model, validation_error
-from .serving import ChoiceTracker, SSEResponse, collect, engine_error, until_disconnected
+from ...http.disconnect import until_disconnected
+from ...http.errors import APIError
+from ...http.json_body import validation_error
+from ...http.openai_bodies import ChatCompletionRequest, ResponsesRequest
+from ...http.tool_parsers import ToolCall, ToolCallDelta
+from ...http.tools import ToolPlan
+from .serving import ChoiceTracker, SSEResponse, collect, engine_error
 from .serving_chat import ChatServing
-from .tool_parsers import ToolCall, ToolCallDelta
-from .tools import ToolPlan
 
 # Chat field -> the Responses field a client wrote, for errors found on the chat side.
 _PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text"}
-
-
-class ResponsesRequest(_Model):
-    model: str | None = None
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    text: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
-    stream: bool = False
-    store: bool | None = None  # accepted; nothing is ever stored
-    previous_response_id: str | None = None
-    metadata: dict[str, str] | None = None
 
 
 def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:

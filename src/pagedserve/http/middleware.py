@@ -11,7 +11,7 @@ import posixpath
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .protocol import APIError
+from .errors import APIError
 
 # The only path served without a key (load balancers probe it without credentials).
 # Everything else needs one, /metrics and /openapi.json included, whatever the route
@@ -19,6 +19,8 @@ from .protocol import APIError
 # (//v1/..., /V1/..., /v1/./..., %2F) cannot be reached without the key. The Host
 # header plays no part.
 OPEN_PATHS = frozenset({"/health"})
+# Where `pagedserve serve` and `pagedserve router` read the key from when --api-key is not given.
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
 
 
 def normalize_path(path: str) -> str:

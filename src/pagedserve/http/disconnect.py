@@ -20,10 +20,17 @@ def sse(payload: dict[str, Any]) -> str:
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T | Response:
-    """Await `work` unless the client leaves first; then cancel it (which aborts its
-    engine requests) and return a 499 no one will read."""
+    """`work`'s result, or a 499 no one will read if the client leaves first."""
+    result = await unless_disconnected(request, work)
+    return Response(status_code=CLIENT_CLOSED) if result is None else result
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result (never None), or None if the client leaves first: then `work` is
+    cancelled, which aborts its engine requests or closes its upstream request, and
+    waited for until it has wound up."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request.receive))
+    watcher = asyncio.ensure_future(disconnected(request.receive))
     try:
         await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -31,9 +38,11 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T | Respon
         task.cancel()  # no-op when it is done
     if task.done() and not task.cancelled():
         return task.result()
-    return Response(status_code=CLIENT_CLOSED)
+    await asyncio.wait((task,))
+    return None
 
 
-async def _disconnected(receive: Receive) -> None:
+async def disconnected(receive: Receive) -> None:
+    """Return when the client has left (the other messages are a body already read)."""
     while (await receive())["type"] != "http.disconnect":
         pass

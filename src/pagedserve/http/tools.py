@@ -16,9 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ...model.tokenizer import Tokenizer
-from ...structured_output.spec import StructuredOutputs
-from .protocol import APIError, ChatMessage
+from ..model.tokenizer import Tokenizer
+from ..structured_output.spec import StructuredOutputs
+from .errors import APIError
+from .openai_bodies import ChatMessage
 from .tool_parsers import ToolParser
 
 # OpenAI's rule for function names.
