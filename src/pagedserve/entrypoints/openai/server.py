@@ -45,6 +45,7 @@ from .served_models import ServedModels
 from .serving import Admission, OpenAIServing, engine_error
 from .serving_chat import ChatServing
 from .serving_completions import CompletionServing
+from .serving_messages import MessagesServing, install_messages_routes
 from .serving_responses import ResponsesRequest, ResponsesServing
 from .tokenizer_info import tokenizer_info
 from .tool_parsers import TOOL_PARSERS
@@ -155,6 +156,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     install_kv_events(app, async_engine)
     request_models: list[type] = [ResponsesRequest]
+    request_models += install_messages_routes(app, MessagesServing(*args, tool_parser=tool_parser))
     if engine.config.enable_lora:
         request_models += install_lora_routes(app, async_engine, models)
     if config.dashboard:

@@ -155,13 +155,9 @@ def _tool_finish_reason(finish_reason: str | None) -> str | None:
 
 def _tool_delta(parser: StreamingToolParser, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
     """A chunk's delta (content and call pieces) from the next text, and its finish reason."""
-    parsed = parser.feed(text)
-    if finish_reason is not None:
-        rest = parser.finish()
-        parsed.content += rest.content
-        parsed.tool_calls += rest.tool_calls
-        if parser.num_calls:
-            finish_reason = _tool_finish_reason(finish_reason)
+    parsed = parser.feed(text, last=finish_reason is not None)
+    if finish_reason is not None and parser.num_calls:
+        finish_reason = _tool_finish_reason(finish_reason)
     message: dict[str, Any] = {"content": parsed.content} if parsed.content else {}
     if parsed.tool_calls:
         message["tool_calls"] = [piece.as_openai() for piece in parsed.tool_calls]

@@ -1,0 +1,157 @@
+"""Anthropic's Messages API wire format: the request bodies of POST /v1/messages and
+/v1/messages/count_tokens, and the shapes of what they answer (for the OpenAPI document).
+
+As in protocol.py, the request models are strict, ignore unknown fields (`metadata`,
+`cache_control`, `anthropic-beta` features) and carry Anthropic's bounds, so they
+double as the published schema. What pydantic cannot check (the order of turns, which
+tool_use a tool_result answers) is checked when the request becomes a chat request
+(serving_messages.py).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field
+
+from .protocol import _Model, _StopStrings
+
+_Id = Annotated[str, Field(min_length=1)]
+_DisableParallel = Field(False, description="At most one tool_use block in the reply.")
+
+
+class TextBlockParam(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlockParam(_Model):
+    """A call the assistant made, sent back in an assistant turn."""
+
+    type: Literal["tool_use"]
+    id: _Id
+    name: _Id
+    input: dict[str, Any]
+
+
+class ToolResultBlockParam(_Model):
+    """A call's result, in the user turn after the assistant's tool_use."""
+
+    type: Literal["tool_result"]
+    tool_use_id: _Id
+    content: str | list[TextBlockParam] = ""
+    is_error: bool = Field(False, description="Accepted; the model reads the content either way.")
+
+
+ContentBlockParam = Annotated[TextBlockParam | ToolUseBlockParam | ToolResultBlockParam, Field(discriminator="type")]
+
+
+class MessageParam(_Model):
+    role: Literal["user", "assistant"]
+    # The list first: its errors (a block of an unknown type) are the ones worth reporting.
+    content: Annotated[list[ContentBlockParam], Field(min_length=1)] | str
+
+
+class ToolParam(_Model):
+    """A client tool: the model calls it with an `input` valid against `input_schema`."""
+
+    type: Literal["custom"] | None = None
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(description="A JSON schema of the call's input.")
+
+
+class ToolChoiceAuto(_Model):
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool = _DisableParallel
+
+
+class ToolChoiceAny(_Model):
+    type: Literal["any"]
+    disable_parallel_tool_use: bool = _DisableParallel
+
+
+class ToolChoiceTool(_Model):
+    type: Literal["tool"]
+    name: _Id
+    disable_parallel_tool_use: bool = _DisableParallel
+
+
+class ToolChoiceNone(_Model):
+    type: Literal["none"]
+
+
+ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")]
+
+
+class _MessagesPrompt(_Model):
+    """What makes the prompt: both routes take it."""
+
+    model: str = Field(description="One of the names /v1/models lists.")
+    messages: Annotated[list[MessageParam], Field(
+        min_length=1, description="Starts with a user turn and ends with one (no assistant prefill); a "
+                                  "tool_result answers a tool_use of the assistant turn just before it.")]
+    system: str | list[TextBlockParam] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoice | None = Field(None, description="Default auto when tools are given.")
+
+
+class MessagesRequest(_MessagesPrompt):
+    max_tokens: Annotated[int, Field(ge=1, description="Prompt tokens plus max_tokens within the context.")]
+    stop_sequences: _StopStrings | None = None
+    stream: bool = False
+    temperature: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False, description="0 = greedy.")] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    top_k: Annotated[int, Field(ge=0, description="0 = off.")] | None = None
+
+
+class CountTokensRequest(_MessagesPrompt):
+    pass
+
+
+# -- what the routes answer (documentation; serving_messages.py writes them) ------------------
+
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
+class TextBlock(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(BaseModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class Usage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+
+
+class Message(BaseModel):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[TextBlock | ToolUseBlock]
+    stop_reason: StopReason | None
+    stop_sequence: str | None
+    usage: Usage
+
+
+class CountTokensResponse(BaseModel):
+    input_tokens: int
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Every 4xx and 5xx body on the Anthropic routes."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
