@@ -86,7 +86,8 @@ ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolCho
 class _MessagesPrompt(_Model):
     """What makes the prompt: both routes take it."""
 
-    model: str = Field(description="One of the names /v1/models lists.")
+    # Required by Anthropic's API; optional here as on every route of this server.
+    model: str | None = Field(None, description="One of the names /v1/models lists; default: the first.")
     messages: Annotated[list[MessageParam], Field(
         min_length=1, description="Starts with a user turn and ends with one (no assistant prefill); a "
                                   "tool_result answers a tool_use of the assistant turn just before it.")]
