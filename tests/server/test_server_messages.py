@@ -5,10 +5,14 @@ This client version has no sampling arguments, so temperature and friends go in 
 from __future__ import annotations
 
 import json
+import threading
 
 import anthropic
 import jsonschema
 import pytest
+
+from .faulty_server import FAIL_STEP_ENV
+from .server_process import start_server
 
 GREEDY = {"extra_body": {"temperature": 0}}
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
@@ -160,3 +164,30 @@ def test_errors_take_anthropic_shape_only_on_its_routes(claude, http):
     assert http.get("/v1/messages").json()["type"] == "error"  # 405 from routing
     r = http.post("/v1/chat/completions", content=b"{")
     assert r.status_code == 400 and set(r.json()) == {"error"} and r.json()["error"]["param"] is None
+
+
+def test_an_engine_crash_is_an_api_error_streamed_or_not(server_logs):
+    # Greedy, this prompt runs for 120 tokens: step 25 fails both requests mid-generation.
+    server = start_server(server_logs, env={FAIL_STEP_ENV: "25"}, entry="tests.server.faulty_server")
+    claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    fields = dict(model="SmolLM2-135M-Instruct", max_tokens=200, **GREEDY,
+                  messages=[{"role": "user", "content": "Count from 1 to 500, one number per line."}])
+    errors: dict[str, anthropic.APIStatusError] = {}
+    kinds: list[str] = []
+
+    def stream() -> None:
+        try:
+            for event in claude.messages.create(**fields, stream=True):
+                kinds.append(event.type)
+        except anthropic.APIStatusError as e:
+            errors["stream"] = e
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    with pytest.raises(anthropic.InternalServerError) as info:
+        claude.messages.create(**fields)
+    thread.join(60)
+    assert info.value.status_code == 500 and info.value.body["error"]["type"] == "api_error"
+    assert "content_block_delta" in kinds and "message_stop" not in kinds  # cut mid-stream...
+    assert errors["stream"].body["error"]["type"] == "api_error"  # ...by an error event
+    assert server.proc.wait(timeout=30) == 1

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 from .protocol import _Model, _StopStrings
 
 _Id = Annotated[str, Field(min_length=1)]
-_DisableParallel = Field(False, description="At most one tool_use block in the reply.")
+_DisableParallel = Annotated[bool, Field(description="At most one tool_use block in the reply.")]
 
 
 class TextBlockParam(_Model):
@@ -62,18 +62,18 @@ class ToolParam(_Model):
 
 class ToolChoiceAuto(_Model):
     type: Literal["auto"]
-    disable_parallel_tool_use: bool = _DisableParallel
+    disable_parallel_tool_use: _DisableParallel = False
 
 
 class ToolChoiceAny(_Model):
     type: Literal["any"]
-    disable_parallel_tool_use: bool = _DisableParallel
+    disable_parallel_tool_use: _DisableParallel = False
 
 
 class ToolChoiceTool(_Model):
     type: Literal["tool"]
     name: _Id
-    disable_parallel_tool_use: bool = _DisableParallel
+    disable_parallel_tool_use: _DisableParallel = False
 
 
 class ToolChoiceNone(_Model):
@@ -83,7 +83,7 @@ class ToolChoiceNone(_Model):
 ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")]
 
 
-class _MessagesPrompt(_Model):
+class MessagesPrompt(_Model):
     """What makes the prompt: both routes take it."""
 
     # Required by Anthropic's API; optional here as on every route of this server.
@@ -96,7 +96,7 @@ class _MessagesPrompt(_Model):
     tool_choice: ToolChoice | None = Field(None, description="Default auto when tools are given.")
 
 
-class MessagesRequest(_MessagesPrompt):
+class MessagesRequest(MessagesPrompt):
     max_tokens: Annotated[int, Field(ge=1, description="Prompt tokens plus max_tokens within the context.")]
     stop_sequences: _StopStrings | None = None
     stream: bool = False
@@ -105,7 +105,7 @@ class MessagesRequest(_MessagesPrompt):
     top_k: Annotated[int, Field(ge=0, description="0 = off.")] | None = None
 
 
-class CountTokensRequest(_MessagesPrompt):
+class CountTokensRequest(MessagesPrompt):
     pass
 
 

@@ -23,8 +23,8 @@ from ...engine.async_engine import EngineDeadError, RequestStream
 from .openapi import anthropic_responses, request_body
 from .protocol import APIError, ChatCompletionRequest, _Model, parse_body, validation_error
 from .protocol_anthropic import AnthropicErrorResponse, ContentBlockParam, CountTokensRequest, CountTokensResponse, \
-    Message, MessagesRequest, TextBlockParam, ToolChoice, ToolChoiceAny, ToolChoiceNone, ToolChoiceTool, \
-    ToolParam, ToolResultBlockParam, ToolUseBlockParam, _MessagesPrompt
+    Message, MessagesPrompt, MessagesRequest, TextBlockParam, ToolChoice, ToolChoiceAny, ToolChoiceNone, \
+    ToolChoiceTool, ToolParam, ToolResultBlockParam, ToolUseBlockParam
 from .serving import ChoiceTracker, SSEResponse, collect, engine_error, until_disconnected
 from .serving_chat import ChatServing
 from .tool_parsers import ToolCallDelta
@@ -118,7 +118,7 @@ class MessagesServing(ChatServing):
                        _event({"type": "message_stop"})])
 
 
-def chat_request(req: _MessagesPrompt, sampling: dict[str, Any]) -> ChatCompletionRequest:
+def chat_request(req: MessagesPrompt, sampling: dict[str, Any]) -> ChatCompletionRequest:
     """The chat request that answers `req`, with the chat fields in `sampling`."""
     fields: dict[str, Any] = {
         "model": req.model, "messages": _chat_messages(req), **sampling,
@@ -132,7 +132,7 @@ def chat_request(req: _MessagesPrompt, sampling: dict[str, Any]) -> ChatCompleti
         raise validation_error(e) from None
 
 
-def _chat_messages(req: _MessagesPrompt) -> list[dict[str, Any]]:
+def _chat_messages(req: MessagesPrompt) -> list[dict[str, Any]]:
     """Anthropic's turns as chat messages; 400 for a conversation Anthropic's API refuses."""
     if req.messages[0].role != "user":
         raise APIError(400, "messages[0].role must be user: a conversation starts with a user turn")
