@@ -119,6 +119,14 @@ def test_named_tool_choice(claude, model):
     jsonschema.validate(m.content[0].input, add["input_schema"])
 
 
+def test_output_config_format_is_a_json_schema_the_reply_follows(claude, model):
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    m = claude.messages.create(model=model, max_tokens=40, messages=[{"role": "user", "content": "Describe a person."}],
+                               output_config={"format": {"type": "json_schema", "schema": person}}, **GREEDY)
+    jsonschema.validate(json.loads(m.content[0].text), person)
+
+
 USER = {"role": "user", "content": "hi"}
 CALL = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
 
@@ -142,6 +150,7 @@ CALL = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"c
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type: Input should be 'custom'"),
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "tool", "name": "nope"}}, "'nope', which is not among the tools"),
     ({"max_tokens": 5000}, "maximum context length"),
+    ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema: Field required"),
 ])
 def test_bad_requests_are_invalid_request_errors(claude, model, fields, message):
     body = {"model": model, "max_tokens": 4, "messages": [USER], **fields}

@@ -83,6 +83,16 @@ class ToolChoiceNone(_Model):
 ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")]
 
 
+class JSONOutputFormat(_Model):
+    type: Literal["json_schema"]
+    # `schema` would shadow BaseModel.schema.
+    json_schema: dict[str, Any] = Field(alias="schema", description="The reply is JSON valid against it.")
+
+
+class OutputConfig(_Model):
+    format: JSONOutputFormat | None = None
+
+
 class MessagesPrompt(_Model):
     """What makes the prompt: both routes take it."""
 
@@ -103,6 +113,7 @@ class MessagesRequest(MessagesPrompt):
     temperature: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False, description="0 = greedy.")] | None = None
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
     top_k: Annotated[int, Field(ge=0, description="0 = off.")] | None = None
+    output_config: OutputConfig | None = Field(None, description="Only `format` is used (effort is ignored).")
 
 
 class CountTokensRequest(MessagesPrompt):

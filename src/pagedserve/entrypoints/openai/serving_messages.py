@@ -23,8 +23,8 @@ from ...engine.async_engine import EngineDeadError, RequestStream
 from .openapi import anthropic_responses, request_body
 from .protocol import APIError, ChatCompletionRequest, _Model, parse_body, validation_error
 from .protocol_anthropic import AnthropicErrorResponse, ContentBlockParam, CountTokensRequest, CountTokensResponse, \
-    Message, MessagesPrompt, MessagesRequest, TextBlockParam, ToolChoice, ToolChoiceAny, ToolChoiceNone, \
-    ToolChoiceTool, ToolParam, ToolResultBlockParam, ToolUseBlockParam
+    Message, MessagesPrompt, MessagesRequest, OutputConfig, TextBlockParam, ToolChoice, ToolChoiceAny, \
+    ToolChoiceNone, ToolChoiceTool, ToolParam, ToolResultBlockParam, ToolUseBlockParam
 from .serving import ChoiceTracker, SSEResponse, collect, engine_error, until_disconnected
 from .serving_chat import ChatServing
 from .tool_parsers import ToolCallDelta
@@ -54,7 +54,8 @@ class MessagesServing(ChatServing):
     async def create(self, request: Request) -> Response:
         arrival, req, meta = await self.read_request(request, MessagesRequest, "msg")
         chat = chat_request(req, {"max_tokens": req.max_tokens, "stop": req.stop_sequences,
-                                  "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k})
+                                  "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+                                  "response_format": _response_format(req.output_config)})
         params, plan = await self.prepare(chat)
         message_id = f"msg_{meta.id.rpartition('-')[2]}"
         envelope = {"id": message_id, "type": "message", "role": "assistant", "model": meta.model}
@@ -213,6 +214,13 @@ def _chat_tool_choice(choice: ToolChoice | None) -> str | dict[str, Any] | None:
     if isinstance(choice, ToolChoiceAny):
         return "required"
     return "none" if isinstance(choice, ToolChoiceNone) else "auto"
+
+
+def _response_format(config: OutputConfig | None) -> dict[str, Any] | None:
+    """output_config.format as chat's response_format (a JSON schema the reply follows)."""
+    if config is None or config.format is None:
+        return None
+    return {"type": "json_schema", "json_schema": {"schema": config.format.json_schema}}
 
 
 def _tool_use_id(call_id: str) -> str:
