@@ -127,6 +127,19 @@ def test_output_config_format_is_a_json_schema_the_reply_follows(claude, model):
     jsonschema.validate(json.loads(m.content[0].text), person)
 
 
+def test_a_final_assistant_turn_is_continued(claude, model, http):
+    prefill = '{"colour": "'
+    messages = [{"role": "user", "content": "Name a colour as JSON."}, {"role": "assistant", "content": prefill}]
+    m = claude.messages.create(model=model, max_tokens=8, messages=messages, **GREEDY)
+    # The same prompt through /v1/completions: the chat prompt's text, then the prefill.
+    chat_prompt = http.post("/tokenize", json={"messages": messages[:1]}).json()["tokens"]
+    prompt = http.post("/detokenize", json={"tokens": chat_prompt}).json()["prompt"] + prefill
+    completion = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0}).json()
+    assert m.content[0].text == completion["choices"][0]["text"]
+    assert m.usage.input_tokens == completion["usage"]["prompt_tokens"] > len(chat_prompt)
+    assert claude.messages.count_tokens(model=model, messages=messages).input_tokens == m.usage.input_tokens
+
+
 USER = {"role": "user", "content": "hi"}
 CALL = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
 
@@ -137,7 +150,8 @@ CALL = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"c
     ({"messages": []}, "messages: List should have at least 1 item"),
     ({"messages": [{"role": "system", "content": "hi"}]}, "messages[0].role: Input should be 'user' or 'assistant'"),
     ({"messages": [{"role": "assistant", "content": "hi"}, USER]}, "a conversation starts with a user turn"),
-    ({"messages": [USER, {"role": "assistant", "content": "Sure"}]}, "assistant prefill is not supported"),
+    ({"messages": [USER, {"role": "assistant", "content": "Sure "}]}, "cannot end with trailing whitespace"),
+    ({"messages": [USER, {"role": "assistant", "content": [CALL]}]}, "may hold only text blocks"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "Input tag 'image'"),
     ({"messages": [{"role": "user", "content": [CALL]}]}, "tool_use blocks belong in assistant turns"),
     ({"messages": [USER, {"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "toolu_1"}]}, USER]},

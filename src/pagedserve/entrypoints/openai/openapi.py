@@ -305,7 +305,7 @@ def anthropic_responses(model: type[BaseModel], error: type[BaseModel], events: 
     generation route (one with `events`) with stream=true its typed events, each one's
     data a JSON object; generation is refused with 429 past the queue limit."""
     ok: dict[str, Any] = {"model": model}
-    codes = {**_BODY_ERRORS, **_ERRORS}
+    codes = {**_BODY_ERRORS, **_ERRORS, 400: "The request is invalid; the message says why."}
     if events:
         event = {"type": "object", "required": ["event", "data"], "properties": {
             "event": {"enum": list(events)}, "data": {"type": "string", "contentMediaType": "application/json"}}}

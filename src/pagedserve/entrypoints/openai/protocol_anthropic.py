@@ -99,8 +99,9 @@ class MessagesPrompt(_Model):
     # Required by Anthropic's API; optional here as on every route of this server.
     model: str | None = Field(None, description="One of the names /v1/models lists; default: the first.")
     messages: Annotated[list[MessageParam], Field(
-        min_length=1, description="Starts with a user turn and ends with one (no assistant prefill); a "
-                                  "tool_result answers a tool_use of the assistant turn just before it.")]
+        min_length=1, description="Starts with a user turn; a final assistant turn is the start of the reply "
+                                  "(text only); a tool_result answers a tool_use of the assistant turn just "
+                                  "before it.")]
     system: str | list[TextBlockParam] | None = None
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoice | None = Field(None, description="Default auto when tools are given.")

@@ -51,9 +51,9 @@ class ChatServing(OpenAIServing):
         return params, plan
 
     async def submit(self, req: ChatCompletionRequest, params: SamplingParams, plan: ToolPlan, request_id: str,
-                     arrival: float, seat: Seat) -> tuple[RequestStream, SamplingParams, int]:
+                     arrival: float, seat: Seat, prefill: str = "") -> tuple[RequestStream, SamplingParams, int]:
         """Render, check the context and start generating: (stream, final params, prompt length)."""
-        prompt_ids = await self.off_loop(self.render, template_messages(req.messages), True, plan.tools)
+        prompt_ids = await self.off_loop(self.render, template_messages(req.messages), True, plan.tools, prefill)
         await self.compile_constraint(params, structured_output_param(req) if plan.constraint is None else "tools")
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.room_for_output(len(prompt_ids), params.max_tokens, prompt_param="messages",
@@ -77,12 +77,15 @@ class ChatServing(OpenAIServing):
         return plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser, check)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The prompt's token ids; runs in the thread pool (template rendering is CPU work)."""
+               tools: list[dict[str, Any]] | None = None, prefill: str = "") -> list[int]:
+        """The prompt's token ids; runs in the thread pool (template rendering is CPU work).
+        `prefill` is the start of the reply, written after the generation prompt for the
+        model to continue (Anthropic's final assistant turn)."""
         try:
             text = render_chat_text(self.tokenizer, self._tool_tokenizer, messages, add_generation_prompt, tools)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
+        text += prefill
         check_prompt_chars(text, self.limits, self.engine.max_context_len, "messages")
         token_ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not token_ids:

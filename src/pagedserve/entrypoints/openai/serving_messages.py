@@ -56,11 +56,13 @@ class MessagesServing(ChatServing):
         chat = chat_request(req, {"max_tokens": req.max_tokens, "stop": req.stop_sequences,
                                   "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
                                   "response_format": _response_format(req.output_config)})
+        prefill = _prefill(req)
         params, plan = await self.prepare(chat)
         message_id = f"msg_{meta.id.rpartition('-')[2]}"
         envelope = {"id": message_id, "type": "message", "role": "assistant", "model": meta.model}
         with self.admission.admit(1) as seat:
-            stream, params, num_prompt_tokens = await self.submit(chat, params, plan, message_id, arrival, seat)
+            stream, params, num_prompt_tokens = await self.submit(chat, params, plan, message_id, arrival, seat,
+                                                                  prefill)
             tracker = ChoiceTracker([message_id], 1, num_prompt_tokens, keep_output=not req.stream)
             if req.stream:
                 return SSEResponse(self._events(stream, tracker, envelope, plan), seat)
@@ -70,9 +72,9 @@ class MessagesServing(ChatServing):
         """The input_tokens a /v1/messages request with this prompt would have."""
         req = parse_body(await request.body(), CountTokensRequest)
         self.resolve_model(req.model)
-        chat = chat_request(req, {})
+        chat, prefill = chat_request(req, {}), _prefill(req)
         _, plan = await self.prepare(chat)
-        tokens = await self.off_loop(self.render, template_messages(chat.messages), True, plan.tools)
+        tokens = await self.off_loop(self.render, template_messages(chat.messages), True, plan.tools, prefill)
         return JSONResponse({"input_tokens": len(tokens)})
 
     async def _message(self, stream: RequestStream, tracker: ChoiceTracker, envelope: dict[str, Any],
@@ -134,14 +136,14 @@ def chat_request(req: MessagesPrompt, sampling: dict[str, Any]) -> ChatCompletio
 
 
 def _chat_messages(req: MessagesPrompt) -> list[dict[str, Any]]:
-    """Anthropic's turns as chat messages; 400 for a conversation Anthropic's API refuses."""
+    """Anthropic's turns as chat messages, but for a final assistant turn (`_prefill`);
+    400 for a conversation Anthropic's API refuses."""
     if req.messages[0].role != "user":
         raise APIError(400, "messages[0].role must be user: a conversation starts with a user turn")
-    if req.messages[-1].role != "user":
-        raise APIError(400, "the last message must be a user turn (assistant prefill is not supported)")
     out = [] if req.system is None else [{"role": "system", "content": _text(req.system)}]
     calls: set[str] = set()  # the tool_use ids of the assistant turn just before
-    for i, message in enumerate(req.messages):
+    turns = req.messages[:-1] if req.messages[-1].role == "assistant" else req.messages
+    for i, message in enumerate(turns):
         if message.role == "assistant":
             out.append(_assistant(message.content, i))
             calls = {call["id"] for call in out[-1].get("tool_calls", ())}
@@ -149,6 +151,24 @@ def _chat_messages(req: MessagesPrompt) -> list[dict[str, Any]]:
             out += _user(message.content, i, calls)
             calls = set()
     return out
+
+
+def _prefill(req: MessagesPrompt) -> str:
+    """A final assistant turn's text: the start of the reply, which the model continues
+    (the reply holds only what follows it); "" when the user spoke last."""
+    last = req.messages[-1]
+    if last.role == "user":
+        return ""
+    if isinstance(last.content, str):
+        text = last.content
+    elif all(isinstance(block, TextBlockParam) for block in last.content):
+        text = "\n".join(block.text for block in last.content)
+    else:
+        raise APIError(400, "a final assistant turn (a prefill of the reply) may hold only text blocks")
+    if text != text.rstrip():
+        # As Anthropic's API: the reply's first token would have to start mid-whitespace.
+        raise APIError(400, "final assistant content cannot end with trailing whitespace")
+    return text
 
 
 def _text(content: str | list[TextBlockParam]) -> str | list[dict[str, str]]:
