@@ -140,6 +140,26 @@ def test_a_final_assistant_turn_is_continued(claude, model, http):
     assert claude.messages.count_tokens(model=model, messages=messages).input_tokens == m.usage.input_tokens
 
 
+def test_streamed_blocks_close_before_the_next_opens():
+    from pagedserve.entrypoints.openai.serving_messages import _StreamedBlocks
+    from pagedserve.entrypoints.openai.tool_parsers import ToolCallDelta
+
+    blocks = _StreamedBlocks()
+    sent = blocks.text("Let me look.") + blocks.text("") + blocks.calls([
+        ToolCallDelta(0, '{"city": ', "call_1", "get_weather"), ToolCallDelta(0, '"Paris"}'),
+        ToolCallDelta(1, "{}", "call_2", "now")]) + blocks.text("Done.") + blocks.close() + blocks.close()
+    events = [json.loads(event.split("data: ", 1)[1]) for event in sent]
+    assert [(e["type"], e["index"]) for e in events] == [
+        ("content_block_start", 0), ("content_block_delta", 0), ("content_block_stop", 0),
+        ("content_block_start", 1), ("content_block_delta", 1), ("content_block_delta", 1),
+        ("content_block_stop", 1), ("content_block_start", 2), ("content_block_delta", 2),
+        ("content_block_stop", 2), ("content_block_start", 3), ("content_block_delta", 3),
+        ("content_block_stop", 3)]
+    assert events[3]["content_block"] == {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}
+    assert "".join(e["delta"]["partial_json"] for e in events[4:6]) == '{"city": "Paris"}'
+    assert all(event.startswith(f"event: {e['type']}\n") for event, e in zip(sent, events))
+
+
 USER = {"role": "user", "content": "hi"}
 CALL = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
 
@@ -185,6 +205,9 @@ def test_errors_take_anthropic_shape_only_on_its_routes(claude, http):
         assert r.status_code == 400 and r.json()["type"] == "error", r.text
         assert r.json()["error"]["type"] == "invalid_request_error"
     assert http.get("/v1/messages").json()["type"] == "error"  # 405 from routing
+    with pytest.raises(anthropic.APIStatusError) as info:  # 413 from the body limit, before any route
+        claude.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "x" * (5 << 20)}])
+    assert info.value.status_code == 413 and info.value.body["error"]["type"] == "request_too_large"
     r = http.post("/v1/chat/completions", content=b"{")
     assert r.status_code == 400 and set(r.json()) == {"error"} and r.json()["error"]["param"] is None
 
