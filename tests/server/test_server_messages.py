@@ -183,6 +183,9 @@ CALL = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"c
     ({"tool_choice": {"type": "any"}}, "tool_choice is only allowed when tools are given"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type: Input should be 'custom'"),
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "tool", "name": "nope"}}, "'nope', which is not among the tools"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "objekt"}}]}, "tools[0].input_schema is not a valid JSON schema"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "any"}, "output_config": {"format": {
+        "type": "json_schema", "schema": WEATHER}}}, "cannot be combined with output_config.format"),
     ({"max_tokens": 5000}, "maximum context length"),
     ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema: Field required"),
 ])

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ...engine.async_engine import EngineDeadError, RequestStream
+from ...sampling_params import SamplingParams
 from .openapi import anthropic_responses, request_body
 from .protocol import APIError, ChatCompletionRequest, _Model, parse_body, validation_error
 from .protocol_anthropic import AnthropicErrorResponse, ContentBlockParam, CountTokensRequest, CountTokensResponse, \
@@ -30,6 +31,8 @@ from .serving_chat import ChatServing
 from .tool_parsers import ToolCallDelta
 from .tools import ToolPlan, template_messages
 
+# Chat's field names in the errors found on the chat side -> the Messages fields they stand for.
+_FIELD_NAMES = {".function.parameters": ".input_schema", "response_format": "output_config.format"}
 STREAM_EVENTS = ("message_start", "content_block_start", "content_block_delta", "content_block_stop",
                  "message_delta", "message_stop", "error")
 
@@ -57,7 +60,7 @@ class MessagesServing(ChatServing):
                                   "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
                                   "response_format": _response_format(req.output_config)})
         prefill = _prefill(req)
-        params, plan = await self.prepare(chat)
+        params, plan = await self.checked(chat)
         message_id = f"msg_{meta.id.rpartition('-')[2]}"
         envelope = {"id": message_id, "type": "message", "role": "assistant", "model": meta.model}
         with self.admission.admit(1) as seat:
@@ -73,9 +76,18 @@ class MessagesServing(ChatServing):
         req = parse_body(await request.body(), CountTokensRequest)
         self.resolve_model(req.model)
         chat, prefill = chat_request(req, {}), _prefill(req)
-        _, plan = await self.prepare(chat)
+        _, plan = await self.checked(chat)
         tokens = await self.off_loop(self.render, template_messages(chat.messages), True, plan.tools, prefill)
         return JSONResponse({"input_tokens": len(tokens)})
+
+    async def checked(self, chat: ChatCompletionRequest) -> tuple[SamplingParams, ToolPlan]:
+        """`prepare`, its 400s naming the fields a Messages client wrote."""
+        try:
+            return await self.prepare(chat)
+        except APIError as e:
+            for chat_name, name in _FIELD_NAMES.items():
+                e.message = e.message.replace(chat_name, name)
+            raise
 
     async def _message(self, stream: RequestStream, tracker: ChoiceTracker, envelope: dict[str, Any],
                        plan: ToolPlan) -> Response:
