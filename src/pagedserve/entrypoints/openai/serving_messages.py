@@ -2,9 +2,10 @@
 
 A request becomes a chat request (`system` -> a leading system message, tool_use blocks ->
 the assistant's tool_calls, tool_result blocks -> tool messages, `tools` / `tool_choice` /
-`stop_sequences` -> chat's), so the template, sampling, stop strings, tool calls and
-admission are the chat endpoint's. The reply becomes a message of text and tool_use
-blocks, or Anthropic's event stream. Errors on these routes take Anthropic's shape
+`stop_sequences` / `output_config.format` -> chat's, a final assistant turn -> text after
+the generation prompt), so the template, sampling, stop strings, tool calls, structured
+output and admission are the chat endpoint's. The reply becomes a message of text and
+tool_use blocks, or Anthropic's event stream. Errors on these routes take Anthropic's shape
 (http/errors.py), the key comes as x-api-key or a bearer token (middleware.py), and
 the anthropic-version header is accepted whatever it says.
 """
