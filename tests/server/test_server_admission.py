@@ -56,3 +56,20 @@ def test_engine_rejection_is_a_400_and_queues_nothing(small_queue_server):
         assert 'pagedserve:kv_cache_usage_perc{model_name="SmolLM2-135M-Instruct"} 0.0' in metrics
         ok = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "n": 2, "ignore_eos": True})
         assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+
+
+def test_overload_on_the_messages_route_is_anthropics_rate_limit_error(small_queue_server):
+    anthropic = pytest.importorskip("anthropic")
+    claude = anthropic.AsyncAnthropic(base_url=small_queue_server.url, api_key="unused", max_retries=0, timeout=120)
+    hi = {"model": "SmolLM2-135M-Instruct", "max_tokens": 12, "messages": [{"role": "user", "content": "Count."}]}
+
+    async def burst():
+        return await asyncio.gather(*(claude.messages.create(**hi) for _ in range(16)), return_exceptions=True)
+
+    results = asyncio.run(burst())
+    rejected = [r for r in results if isinstance(r, anthropic.RateLimitError)]
+    accepted = [r for r in results if not isinstance(r, anthropic.RateLimitError)]
+    assert rejected and len(accepted) >= MAX_QUEUED
+    for error in rejected:
+        assert error.body["error"]["type"] == "rate_limit_error" and error.response.headers["retry-after"] == "1"
+    assert all(m.type == "message" and m.usage.output_tokens >= 1 for m in accepted), accepted

@@ -46,6 +46,7 @@ PROTECTED = [
     ("POST", "/v1%2Fcompletions"), ("POST", "/v1%2fcompletions/"), ("POST", "/tokenize/"), ("POST", "//tokenize"),
     ("GET", "/metrics"), ("GET", "/metrics/"), ("GET", "//metrics"), ("GET", "/version"), ("GET", "/openapi.json"),
     ("GET", "/health/../metrics"), ("GET", "/health%2F..%2Fmetrics"), ("GET", "/v1/kv_events"),
+    ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
 ]
 
 
@@ -66,6 +67,22 @@ def test_the_key_opens_the_api(keyed_server):
     assert raw_request(keyed_server.port, "POST", "/tokenize", bearer, b'{"prompt": "hi"}') == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_anthropic_clients_send_the_key_as_x_api_key(keyed_server):
+    anthropic = pytest.importorskip("anthropic")
+    model = httpx.get(keyed_server.url + "/v1/models", headers={"x-api-key": KEY}).json()["data"][0]["id"]
+    # The client also sends anthropic-version, which the server accepts.
+    claude = anthropic.Anthropic(base_url=keyed_server.url, api_key=KEY, max_retries=0)
+    hi = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    assert claude.messages.create(**hi).usage.output_tokens >= 1
+    with pytest.raises(anthropic.AuthenticationError) as info:
+        anthropic.Anthropic(base_url=keyed_server.url, api_key=KEY + "x", max_retries=0).messages.create(**hi)
+    assert info.value.body["error"]["type"] == "authentication_error"
+    # The header opens the OpenAI routes as well; their 401 keeps OpenAI's shape.
+    assert raw_request(keyed_server.port, "POST", "/tokenize", {"x-api-key": KEY}, b'{"prompt": "hi"}') == 200
+    r = httpx.post(keyed_server.url + "/tokenize", headers={"x-api-key": "wrong"}, json={"prompt": "hi"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_only_health_needs_no_key(keyed_server):

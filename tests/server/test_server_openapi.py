@@ -12,6 +12,8 @@ import httpx
 import jsonschema
 import pytest
 
+from pagedserve.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
+from pagedserve.http.errors import ANTHROPIC_PATHS
 from pagedserve.http.openapi import REQUEST_MODELS
 from pagedserve.http.openai_bodies import MAX_STOP_STRINGS
 from pagedserve.sampling_params import MAX_ABS_PENALTY, MAX_LOGPROBS
@@ -24,7 +26,8 @@ EXAMPLES = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", "100"))
 ROUTES = {("post", "/v1/completions"), ("post", "/v1/chat/completions"), ("post", "/v1/responses"),
           ("get", "/v1/models"), ("post", "/tokenize"), ("post", "/detokenize"), ("get", "/tokenizer_info"),
           ("get", "/health"), ("get", "/metrics"), ("get", "/version"), ("get", "/v1/kv_events"),
-          ("get", "/dashboard"), ("get", "/dashboard/events"), ("post", "/dashboard/speculation")}
+          ("get", "/dashboard"), ("get", "/dashboard/events"), ("post", "/dashboard/speculation"),
+          ("post", "/v1/messages"), ("post", "/v1/messages/count_tokens")}
 LORA_ROUTES = {("post", "/v1/load_lora_adapter"), ("post", "/v1/unload_lora_adapter")}
 
 
@@ -53,6 +56,15 @@ def test_every_route_and_every_request_field_is_documented(document):
             "$ref": "#/components/schemas/ErrorResponse"}
     error = schemas["ErrorDetail"]
     assert set(error["required"]) == {"message", "type", "param", "code"}
+    # Anthropic's routes answer errors in Anthropic's shape, and say so.
+    for path in ANTHROPIC_PATHS:
+        responses = document["paths"][path]["post"]["responses"]
+        assert {"200", "400", "401", "404", "413", "500", "503"} <= set(responses)
+        assert all(r["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/AnthropicErrorResponse"}
+                   for code, r in responses.items() if code != "200")
+    for model in (MessagesRequest, CountTokensRequest):
+        assert set(schemas[model.__name__]["properties"]) == set(model.model_fields), model.__name__
+    assert set(schemas["AnthropicErrorDetail"]["required"]) == {"type", "message"}
 
 
 @pytest.mark.parametrize("enable_lora", [False, True], ids=["default", "lora"])

@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..core.contiguous_kv import ContiguousKVCacheManager
 from ..workload.datasets import BenchRequest
 from ..workload.metrics import RequestRecord, summarize
 from .serve import send_offsets
@@ -109,7 +110,9 @@ def run_engine(loaded, policy: str, requests: Sequence[BenchRequest], *, max_con
         steps.append(StepSample(t, st["num_running"], st["num_waiting"], st["kv_usage"], st["kv_waste"],
                                 total_blocks - st["kv_free_blocks"]))
     duration = time.monotonic() - t0
-    kv_bytes = (engine.scheduler.kv_cache.peak_committed_bytes if engine.kv_store is not None
+    kv = engine.scheduler.kv_cache
+    # A layout's own figure: the contiguous one's peak of committed pages, the paged pool's tensors.
+    kv_bytes = (kv.peak_committed_bytes if isinstance(kv, ContiguousKVCacheManager)
                 else sum(t.numel() * t.element_size() for t in engine.runner.kv_caches))
     return RunResult(policy, records, duration, steps, engine.stats()["num_preemptions"], kv_bytes)
 

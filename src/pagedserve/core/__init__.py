@@ -5,7 +5,8 @@ runner, so nothing here may import torch or numpy.
 """
 from .block_pool import Block, BlockPool
 from .config import CacheConfig, SchedulerConfig
-from .kv_cache_manager import Allocation, KVCacheManager, PrefixHit
+from .kv_cache import Allocation, KVCache, PrefixHit
+from .kv_cache_manager import KVCacheManager
 from .outputs import RequestUpdate, ScheduledRequest, SchedulerOutput, SchedulerStats
 from .request import Request, RequestStatus
 from .scheduler import Scheduler
@@ -15,6 +16,7 @@ __all__ = [
     "Block",
     "BlockPool",
     "CacheConfig",
+    "KVCache",
     "KVCacheManager",
     "PrefixHit",
     "Request",

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import heapq
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from .config import CacheConfig
-from .kv_cache_manager import NO_CHANGE, NO_HIT, Allocation, PrefixHit
+from .kv_cache import NO_CHANGE, NO_HIT, Allocation, PrefixHit
 from .request import Request
 
 KV_LAYOUTS = ("paged", "contiguous")
@@ -127,7 +128,7 @@ class _Region:
 
 
 class ContiguousKVCacheManager:
-    """The KVCacheManager interface the scheduler uses, over regions instead of blocks.
+    """The contiguous layout's KVCache (core/kv_cache.py): regions instead of pooled blocks.
 
     num_blocks / num_free_blocks report the budget in 16-token-block equivalents (bytes of
     one paged block), so observers of either layout read the same units.
@@ -136,7 +137,7 @@ class ContiguousKVCacheManager:
     enable_prefix_caching = False
     supports_forks = False
 
-    # No block-hash index: nothing for KV events to stream.
+    # No block-hash index: prefix lookups miss, the index reads empty, no KV events.
     indexes_prefixes = False
 
     def __init__(self, config: CacheConfig, layout: ContiguousLayout, memory: RegionMemory | None):
@@ -214,6 +215,13 @@ class ContiguousKVCacheManager:
     def block_tables(self) -> dict[str, tuple[array, int]]:
         return {rid: (array("i", self.block_ids(row.request)), row.num_stored_tokens) for rid, row in self._rows.items()}
 
+    def block_map(self) -> None:
+        """Regions, not pooled blocks: nothing to draw block by block."""
+        return None
+
+    def cached_hashes(self) -> list[bytes]:
+        return []
+
     def find_prefix_hit(self, request: Request) -> PrefixHit:
         return NO_HIT
 
@@ -286,6 +294,9 @@ class ContiguousKVCacheManager:
         row.num_stored_tokens = keep
         return lost
 
+    def fork(self, parent: Request, child: Request) -> None:
+        raise ValueError("n > 1 needs the paged KV layout: a region is never shared")
+
     def free(self, request: Request) -> None:
         """Give the region's pages back to the OS now and return the region to the pool."""
         row = self._rows.pop(request.request_id, None)
@@ -296,6 +307,17 @@ class ContiguousKVCacheManager:
         self._base_pages -= row.synced_pages
         self._unsynced_pages -= self.layout.pages_for(row.num_written_tokens) - self.layout.pages_for(row.synced_tokens)
         heapq.heappush(self._free_regions, row.index)
+
+    # -- the index's observers (there is no index) ------------------------------------
+
+    def record_events(self, on: bool) -> None:
+        """Nothing enters an index that does not exist: there is never an event to log."""
+
+    def drain_events(self) -> list[tuple[str, bytes]]:
+        return []
+
+    def install_cached_prefix(self, block_hashes: Sequence[bytes]) -> bool:
+        raise ValueError("the contiguous KV layout has no prefix cache to install a prefix into")
 
     # -- checks --------------------------------------------------------------------
 

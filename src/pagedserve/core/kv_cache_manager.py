@@ -10,34 +10,15 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .block_hash import extend_block_hashes
 from .block_pool import BLOCK_ID, Block, BlockPool
 from .config import CacheConfig
+from .kv_cache import NO_CHANGE, NO_HIT, Allocation, BlockMap, PrefixHit
+from .kv_events import KVEventLog
 from .request import Request
-
-
-@dataclass(slots=True, frozen=True)
-class PrefixHit:
-    """Leading full blocks whose KV a new request can reuse; num_tokens = len(blocks) * block_size."""
-
-    blocks: tuple[Block, ...]
-    num_tokens: int
-
-
-@dataclass(slots=True, frozen=True)
-class Allocation:
-    """What one successful allocate_slots call changed in a table."""
-
-    new_block_ids: tuple[int, ...]
-    # (src, dst): the runner copies block src into dst before the forward; dst has
-    # replaced src in the table.
-    copies: tuple[tuple[int, int], ...]
-
-
-NO_HIT = PrefixHit((), 0)
-NO_CHANGE = Allocation((), ())
 
 
 @dataclass(slots=True)
@@ -50,6 +31,8 @@ class _Row:
 
 
 class KVCacheManager:
+    """The paged layout's KVCache (core/kv_cache.py)."""
+
     # n > 1 children share their parent's blocks (copy-on-write).
     supports_forks = True
 
@@ -114,6 +97,12 @@ class KVCacheManager:
         """Every table as (block ids as an array of C int, stored tokens), by request id;
         built in C per table, for observers of the whole pool."""
         return {rid: (array("i", map(BLOCK_ID, row.blocks)), row.num_stored_tokens) for rid, row in self._rows.items()}
+
+    def block_map(self) -> BlockMap:
+        return BlockMap(self.pool.ref_counts(), self.pool.cached_block_ids())
+
+    def cached_hashes(self) -> list[bytes]:
+        return self.pool.cached_hashes()
 
     def find_prefix_hit(self, request: Request) -> PrefixHit:
         """The longest run of leading full blocks already in the cache, for a request
@@ -252,6 +241,34 @@ class KVCacheManager:
         row = self._rows.pop(request.request_id, None)
         if row is not None:
             self.pool.release(reversed(row.blocks))
+
+    # -- the index's observers -----------------------------------------------------------
+
+    def record_events(self, on: bool) -> None:
+        if not on:
+            self.pool.events = None
+        elif self.pool.events is None:
+            self.pool.events = KVEventLog()
+
+    def drain_events(self) -> list[tuple[str, bytes]]:
+        log = self.pool.events
+        return log.drain() if log is not None and log.events else []
+
+    def install_cached_prefix(self, block_hashes: Sequence[bytes]) -> bool:
+        """Free cached blocks at the back of the eviction queue; hashes indexed already
+        keep their blocks, not installed twice."""
+        pool = self.pool
+        present = [b for h in block_hashes if (b := pool.lookup(h)) is not None]
+        missing = [h for h in block_hashes if pool.lookup(h) is None]
+        held = [b for b in present if b.ref_cnt == 0]
+        if len(missing) > pool.num_free - len(held):
+            return False
+        pool.acquire(present)  # keep them from being evicted by the take below
+        blocks = pool.take(len(missing))
+        for block, h in zip(blocks, missing):
+            pool.register(block, h)
+        pool.release(reversed(blocks + present))
+        return True
 
     # -- checks --------------------------------------------------------------------
 

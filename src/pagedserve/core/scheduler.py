@@ -33,9 +33,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from .config import CacheConfig, SchedulerConfig
-from .contiguous_kv import ContiguousKVCacheManager
+from .kv_cache import Allocation, KVCache, PrefixHit
+from .kv_cache_manager import KVCacheManager
 from .kv_connector import KVConnectorOutput, KVConnectorScheduler
-from .kv_cache_manager import Allocation, KVCacheManager, PrefixHit
 from .outputs import RequestUpdate, ScheduledRequest, SchedulerOutput, SchedulerStats
 from .policies import make_policy
 from .request import CHILD_ID_SEPARATOR, Request, RequestStatus
@@ -103,11 +103,11 @@ class _Step:
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  step_budget: StepBudget | None = None, kv_connector: KVConnectorScheduler | None = None,
-                 kv_cache: KVCacheManager | ContiguousKVCacheManager | None = None):
+                 kv_cache: KVCache | None = None):
         """`step_budget`: choose each step's budget from a latency target (chunked policy
         only); None keeps the fixed max_num_batched_tokens. `kv_connector`: the scheduler
         half of a KV connector (disaggregated prefill/decode); None calls nothing of it.
-        `kv_cache`: the manager of another KV layout; None builds the paged one from cache_config."""
+        `kv_cache`: another KV layout; None builds the paged one from cache_config."""
         self.config = scheduler_config
         if kv_connector is not None and scheduler_config.policy not in ("chunked", "continuous"):
             raise ValueError(f"a KV connector needs policy 'chunked' or 'continuous', got {scheduler_config.policy!r}")
@@ -120,7 +120,7 @@ class Scheduler:
         self.step_budget = step_budget
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
-        self.kv_cache = kv_cache if kv_cache is not None else KVCacheManager(cache_config)
+        self.kv_cache: KVCache = kv_cache if kv_cache is not None else KVCacheManager(cache_config)
         self.policy = make_policy(scheduler_config)
         self.waiting = make_waiting_queue(scheduler_config.scheduling_policy)
         # In admission order; a forked parent's children sit right after it.

@@ -3,8 +3,8 @@
 Nothing here runs unless a page is watching: the engine thread reads one flag per
 step. While watched, it records each step's split of the token budget (sums over
 the step's rows) and, when the server asks for a frame (a few times a second), it
-builds one from the block pool's own reference counts and prefix-cache index and
-the KV manager's tables, as numpy arrays filled in C, never a Python loop per block.
+builds one from the KV cache's block map (reference counts, prefix-cache index) and
+its tables, as numpy arrays filled in C, never a Python loop per block.
 A frame is plain JSON-able data; prompt text is in it only with `show_prompts`.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import itertools
 
 import numpy as np
 
-from ..core.kv_cache_manager import KVCacheManager
+from ..core.kv_cache import BlockMap, KVCache
 from .llm_engine import LLMEngine
 
 # One character per block in a frame's map, in increasing precedence.
@@ -86,12 +86,13 @@ class DashboardFeed:
         if fingerprint == self._last_fingerprint:
             return None
         self._last_fingerprint = fingerprint
-        if engine.kv_store is not None:
-            # The contiguous layout has no block pool to draw: its regions are listed as sequences.
+        block_map = kv.block_map()
+        if block_map is None:
+            # No pool to draw (the contiguous layout's regions): the tables are listed as sequences.
             blocks = {"state": "", "owner": [], "ref": []}
             seqs = [{"id": rid, "tokens": n, "blocks": len(ids)} for rid, (ids, n) in kv.block_tables().items()]
         else:
-            blocks, seqs = self._block_map(kv)
+            blocks, seqs = self._draw(kv, block_map)
         steps, self._steps = self._steps, []
         return {
             "frame": next(self._frame_ids),
@@ -105,18 +106,17 @@ class DashboardFeed:
             "speculating": engine.speculate,
         }
 
-    def _block_map(self, kv: KVCacheManager) -> tuple[dict, list[dict]]:
-        """The paged pool's block map (state, owner, ref count per block) and its sequences."""
-        pool = kv.pool
-        ref = np.frombuffer(pool.ref_counts(), dtype=np.intc)
+    def _draw(self, kv: KVCache, block_map: BlockMap) -> tuple[dict, list[dict]]:
+        """The pool's block map (state, owner, ref count per block) and its sequences."""
+        ref = np.frombuffer(block_map.ref_counts, dtype=np.intc)
         code = np.where(ref > 1, 3, np.where(ref > 0, 2, 0)).astype(np.uint8)
-        cached = np.frombuffer(pool.cached_block_ids(), dtype=np.intc)
+        cached = np.frombuffer(block_map.cached_block_ids, dtype=np.intc)
         code[cached[ref[cached] == 0]] = 1
         if self._copied:
             copied = np.asarray(self._copied, dtype=np.intc)
             code[copied[ref[copied] > 0]] = 4
             self._copied = []
-        owner = np.full(pool.num_blocks, -1, dtype=np.intc)
+        owner = np.full(len(ref), -1, dtype=np.intc)
         seqs = []
         for i, (request_id, (block_ids, num_tokens)) in enumerate(kv.block_tables().items()):
             owner[np.frombuffer(block_ids, dtype=np.intc)] = i

@@ -1,7 +1,7 @@
-"""The engine-thread side of the KV event stream: the block pool's index changes, per step.
+"""The engine-thread side of the KV event stream: the prefix-cache index's changes, per step.
 
 The server turns it on when the first subscriber arrives and off when the last one
-leaves; while off, the engine thread reads one flag per iteration and the pool records
+leaves; while off, the engine thread reads one flag per iteration and the KV cache records
 nothing. Every method here runs on the engine thread (AsyncEngine.call_on_thread and its
 step loop); batches cross to the event loop through `post`.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..core.kv_events import KVEventLog
 from .llm_engine import LLMEngine
 
 
@@ -46,19 +45,17 @@ class KVEventFeed:
     def sync(self, engine: LLMEngine) -> None:
         """Start recording if needed and post a snapshot; events pending before it are
         posted first, so a subscriber that takes the snapshot and what follows is exact."""
-        pool = engine.scheduler.kv_cache.pool
-        if pool.events is None:
-            pool.events = KVEventLog()
-        else:
-            self.after_step(engine)
+        kv = engine.scheduler.kv_cache
+        kv.record_events(True)
+        self.after_step(engine)
         self.active = True
-        self._post(KVSnapshot(engine.config.block_size, pool.cached_hashes()))
+        self._post(KVSnapshot(engine.config.block_size, kv.cached_hashes()))
 
     def stop(self, engine: LLMEngine) -> None:
-        engine.scheduler.kv_cache.pool.events = None
+        engine.scheduler.kv_cache.record_events(False)
         self.active = False
 
     def after_step(self, engine: LLMEngine) -> None:
-        log = engine.scheduler.kv_cache.pool.events
-        if log is not None and log.events:
-            self._post(KVEventBatch(log.drain()))
+        events = engine.scheduler.kv_cache.drain_events()
+        if events:
+            self._post(KVEventBatch(events))

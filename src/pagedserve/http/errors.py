@@ -1,5 +1,6 @@
-"""Errors in OpenAI's shape, and the one table of exception handlers the server and the
-router both install (each adds the conversions of its own exception types)."""
+"""Errors in OpenAI's shape (Anthropic's on its routes), and the one table of exception
+handlers the server and the router both install (each adds the conversions of its own
+exception types)."""
 from __future__ import annotations
 
 import logging
@@ -25,10 +26,23 @@ _ERROR_TYPES = {
     502: "server_error",
     503: "server_error",
 }
+# The routes of Anthropic's Messages API: its clients read errors as {"type": "error",
+# "error": {"type", "message"}}, with these types.
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+_ANTHROPIC_ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
 
 
 class APIError(Exception):
-    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+    """An error answered in OpenAI's shape, {"error": {"message", "type", "param", "code"}},
+    or on Anthropic's routes in its shape."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None):
@@ -43,8 +57,15 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        default = "api_error" if self.status >= 500 else "invalid_request_error"
+        return {"type": "error", "error": {"type": _ANTHROPIC_ERROR_TYPES.get(self.status, default),
+                                           "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The error as an answer to a request for `path` (its shape depends on the API)."""
+        body = self.anthropic_body() if path in ANTHROPIC_PATHS else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def _http_error(exc: StarletteHTTPException) -> APIError:
@@ -59,12 +80,12 @@ def install_error_handlers(app: Starlette, conversions: dict[type[Exception], Ca
         APIError: lambda exc: exc, StarletteHTTPException: _http_error, **conversions}
     for exc_type, as_api_error in table.items():
         async def handler(request: Request, exc: Exception, as_api_error=as_api_error) -> JSONResponse:
-            return as_api_error(exc).response()
+            return as_api_error(exc).response(request.url.path)
 
         app.add_exception_handler(exc_type, handler)
 
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, "internal server error").response()
+        return APIError(500, "internal server error").response(request.url.path)
 
     app.add_exception_handler(Exception, internal_error)

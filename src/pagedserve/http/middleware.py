@@ -36,21 +36,27 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and normalize_path(scope["path"]) not in OPEN_PATHS and not self._authorized(scope):
-            error = APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
-                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-            await error.response()(scope, receive, send)
+            error = APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>' or "
+                                  "'x-api-key: <key>'", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            await error.response(scope["path"])(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
+        """The key as OpenAI's clients send it (a bearer token) or as Anthropic's do (x-api-key)."""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
-                # Digests of equal length, compared in constant time: neither the key's
-                # bytes nor its length show in how long a wrong key takes to refuse.
-                matches = hmac.compare_digest(_digest(token.strip()), self._key_digest)
-                return scheme.lower() == b"bearer" and matches
+                if self._matches(token.strip()) and scheme.lower() == b"bearer":
+                    return True
+            elif name == b"x-api-key" and self._matches(value.strip()):
+                return True
         return False
+
+    def _matches(self, key: bytes) -> bool:
+        # Digests of equal length, compared in constant time: neither the key's bytes nor
+        # its length show in how long a wrong key takes to refuse.
+        return hmac.compare_digest(_digest(key), self._key_digest)
 
 
 def _digest(value: bytes) -> bytes:
@@ -98,4 +104,4 @@ class BodyLimitMiddleware:
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         error = APIError(413, f"the request body is over the limit of {self._limit} bytes", code="request_too_large")
-        await error.response()(scope, receive, send)
+        await error.response(scope["path"])(scope, receive, send)

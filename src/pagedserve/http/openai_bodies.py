@@ -41,7 +41,7 @@ _LogitBias = Annotated[
                     "patternProperties": {_LOGIT_BIAS_KEY: {"type": "number", "minimum": -MAX_ABS_LOGIT_BIAS,
                                                             "maximum": MAX_ABS_LOGIT_BIAS}}}),
 ]
-_StopStrings = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]],
+StopStrings = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]],
                          Field(max_length=MAX_STOP_STRINGS)]
 _ConstraintText = Annotated[str, Field(min_length=1, max_length=MAX_CONSTRAINT_CHARS)]
 
@@ -65,7 +65,7 @@ class GenerationBody(StrictModel):
     repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False, description="1 = off.")] | None = None
     logit_bias: _LogitBias | None = Field(None, description="Token id (as a string) -> bias; ids below the "
                                                             "vocabulary size.")
-    stop: Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)] | _StopStrings | None = None
+    stop: Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)] | StopStrings | None = None
     stop_token_ids: Annotated[list[_TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0, description="At most max_tokens.")] = 0

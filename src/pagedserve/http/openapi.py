@@ -233,8 +233,8 @@ _BODY_ERRORS = {400: "The request is invalid; `param` names the field.",
                 404: "The model is not one this server serves."}
 
 
-def _errors(codes: dict[int, str]) -> dict[int | str, dict[str, Any]]:
-    return {code: {"model": ErrorResponse, "description": text} for code, text in codes.items()}
+def _errors(codes: dict[int, str], model: type[BaseModel] = ErrorResponse) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": model, "description": text} for code, text in codes.items()}
 
 
 def request_body(model: type[BaseModel]) -> dict[str, Any]:
@@ -298,6 +298,22 @@ def responses_api_responses() -> dict[int | str, dict[str, Any]]:
     return {200: {"description": "The response; with stream=true, its events.",
                   "content": {"application/json": {"schema": body}, "text/event-stream": {"schema": event}}},
             **_errors({**_BODY_ERRORS, **_ERRORS, 429: "Too many requests are waiting; retry after Retry-After s."})}
+
+
+def anthropic_responses(model: type[BaseModel], error: type[BaseModel], events: tuple[str, ...] = ()
+                        ) -> dict[int | str, dict[str, Any]]:
+    """An Anthropic route, every error in its shape (`error`): `model` as JSON, or for a
+    generation route (one with `events`) with stream=true its typed events, each one's
+    data a JSON object; generation is refused with 429 past the queue limit."""
+    ok: dict[str, Any] = {"model": model}
+    codes = {**_BODY_ERRORS, **_ERRORS, 400: "The request is invalid; the message says why."}
+    if events:
+        event = {"type": "object", "required": ["event", "data"], "properties": {
+            "event": {"enum": list(events)}, "data": {"type": "string", "contentMediaType": "application/json"}}}
+        ok.update(description="The message; with stream=true, its events.",
+                  content={"text/event-stream": {"schema": event}})
+        codes[429] = "Too many requests are waiting; retry after Retry-After s."
+    return {200: ok, **_errors(codes, error)}
 
 
 def html_responses(description: str) -> dict[int | str, dict[str, Any]]:

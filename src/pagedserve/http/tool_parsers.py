@@ -129,11 +129,16 @@ class StreamingToolParser:
     def num_calls(self) -> int:
         return self._num_calls
 
-    def feed(self, text: str) -> ParsedDelta:
+    def feed(self, text: str, *, last: bool = False) -> ParsedDelta:
+        """What the next text lets go; with `last` (the reply ends with it), `finish`'s rest too."""
         self._text += text
         out = ParsedDelta()
         while self._step(out, final=False):
             pass
+        if last:
+            rest = self.finish()
+            out.content += rest.content
+            out.tool_calls += rest.tool_calls
         return out
 
     def finish(self) -> ParsedDelta:

@@ -266,22 +266,10 @@ def _least_loaded(group: list[_Instance]) -> _Instance:
 
 
 def _install_blocks(sched: Scheduler, token_ids: list[int], num_blocks: int, block_size: int) -> bool:
-    """Put a transferred prompt's first `num_blocks` blocks into the pool's prefix cache, as
-    free cached blocks at the back of the eviction queue; False (nothing changed) when the
-    pool has no room. Blocks it holds already are kept, not sent again."""
-    pool = sched.kv_cache.pool
-    hashes = extend_block_hashes([], token_ids, block_size, num_blocks, None)
-    present = [b for h in hashes if (b := pool.lookup(h)) is not None]
-    missing = [h for h in hashes if pool.lookup(h) is None]
-    held = [b for b in present if b.ref_cnt == 0]
-    if len(missing) > pool.num_free - len(held):
-        return False
-    pool.acquire(present)  # keep them from being evicted by the take below
-    blocks = pool.take(len(missing))
-    for block, h in zip(blocks, missing):
-        pool.register(block, h)
-    pool.release(reversed(blocks + present))
-    return True
+    """Put a transferred prompt's first `num_blocks` blocks into the decode instance's prefix
+    cache, as free cached blocks at the back of the eviction queue; False (nothing changed)
+    when it has no room. Blocks it holds already are kept, not sent again."""
+    return sched.kv_cache.install_cached_prefix(extend_block_hashes([], token_ids, block_size, num_blocks, None))
 
 
 def max_goodput(requests: Sequence[BenchRequest], layout: Layout, setup: ClusterSetup, slo: SLO,

@@ -53,9 +53,9 @@ class ChatServing(OpenAIServing):
         return params, plan
 
     async def submit(self, req: ChatCompletionRequest, params: SamplingParams, plan: ToolPlan, request_id: str,
-                     arrival: float, seat: Seat) -> tuple[RequestStream, SamplingParams, int]:
+                     arrival: float, seat: Seat, prefill: str = "") -> tuple[RequestStream, SamplingParams, int]:
         """Render, check the context and start generating: (stream, final params, prompt length)."""
-        prompt_ids = await self.off_loop(self.render, template_messages(req.messages), True, plan.tools)
+        prompt_ids = await self.off_loop(self.render, template_messages(req.messages), True, plan.tools, prefill)
         await self.compile_constraint(params, structured_output_param(req) if plan.constraint is None else "tools")
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.room_for_output(len(prompt_ids), params.max_tokens, prompt_param="messages",
@@ -79,12 +79,15 @@ class ChatServing(OpenAIServing):
         return plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser, check)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The prompt's token ids; runs in the thread pool (template rendering is CPU work)."""
+               tools: list[dict[str, Any]] | None = None, prefill: str = "") -> list[int]:
+        """The prompt's token ids; runs in the thread pool (template rendering is CPU work).
+        `prefill` is the start of the reply, written after the generation prompt for the
+        model to continue (Anthropic's final assistant turn)."""
         try:
             text = render_chat_text(self.tokenizer, self._tool_tokenizer, messages, add_generation_prompt, tools)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
+        text += prefill
         check_prompt_chars(text, self.limits, self.engine.max_context_len, "messages")
         token_ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not token_ids:
@@ -157,13 +160,9 @@ def _tool_finish_reason(finish_reason: str | None) -> str | None:
 
 def _tool_delta(parser: StreamingToolParser, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
     """A chunk's delta (content and call pieces) from the next text, and its finish reason."""
-    parsed = parser.feed(text)
-    if finish_reason is not None:
-        rest = parser.finish()
-        parsed.content += rest.content
-        parsed.tool_calls += rest.tool_calls
-        if parser.num_calls:
-            finish_reason = _tool_finish_reason(finish_reason)
+    parsed = parser.feed(text, last=finish_reason is not None)
+    if finish_reason is not None and parser.num_calls:
+        finish_reason = _tool_finish_reason(finish_reason)
     message: dict[str, Any] = {"content": parsed.content} if parsed.content else {}
     if parsed.tool_calls:
         message["tool_calls"] = [piece.as_openai() for piece in parsed.tool_calls]

@@ -202,13 +202,10 @@ class ResponsesServing(ChatServing):
         try:
             async for delta in stream:
                 for _, sample in tracker.update(delta):
-                    parsed = parser.feed(sample.text) if parser is not None else None
-                    if sample.finish_reason is not None:
+                    last = sample.finish_reason is not None
+                    parsed = parser.feed(sample.text, last=last) if parser is not None else None
+                    if last:
                         finish_reason = sample.finish_reason
-                        if parser is not None:
-                            rest = parser.finish()
-                            parsed.content += rest.content
-                            parsed.tool_calls += rest.tool_calls
                     chunk = "".join(items.text(parsed.content if parsed is not None else sample.text))
                     if parsed is not None:
                         chunk += "".join(items.calls(parsed.tool_calls))
