@@ -159,3 +159,43 @@ def test_logprobs_of_greedy_tokens(loaded):
         assert max(values) == entry[tok].logprob <= 0.0
         assert sorted((lp.rank for lp in entry.values())) == [1, 2, 3]
     assert_all_blocks_free(llm)
+
+
+def _steps_to_first_token(engine, request_id: str) -> int:
+    for steps in range(1, 50):
+        for out in engine.step():
+            if out.request_id == request_id and out.outputs[0].token_ids:
+                return steps
+    raise AssertionError(f"{request_id} produced nothing in 50 steps")
+
+
+def test_a_high_priority_request_under_a_full_batch_starts_as_on_an_idle_engine(loaded):
+    """--scheduling-policy priority: with every seat taken by low-priority streams, a
+    higher-priority request's first token comes within 2 steps of an idle engine's, and
+    the stream that gave way still ends with its own greedy tokens."""
+    prompt = loaded.tokenizer.encode("Name three colours.")
+    urgent = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    idle = make_llm(loaded, scheduling_policy="priority", max_num_seqs=4).engine
+    idle.add_request(prompt, urgent, request_id="urgent")
+    idle_steps = _steps_to_first_token(idle, "urgent")
+
+    llm = make_llm(loaded, scheduling_policy="priority", max_num_seqs=4)
+    engine = llm.engine
+    stream = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    low_prompts = [loaded.tokenizer.encode(f"Story {i}: once upon a time") for i in range(4)]
+    for i, p in enumerate(low_prompts):
+        engine.add_request(p, stream, request_id=f"low{i}", priority=1)
+    for _ in range(3):
+        engine.step()
+    assert engine.scheduler.stats().num_running == 4
+    engine.add_request(prompt, urgent, request_id="urgent", priority=0)
+    assert _steps_to_first_token(engine, "urgent") <= idle_steps + 2
+    assert engine.scheduler.num_preemptions == 1
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = list(out.outputs[0].token_ids)
+    alone = make_llm(loaded).generate(low_prompts, stream, use_tqdm=False)
+    assert [finished[f"low{i}"] for i in range(4)] == [o.outputs[0].token_ids for o in alone]
+    assert_all_blocks_free(llm)

@@ -184,6 +184,63 @@ def test_priority_preempts_the_least_important():
     assert driver.outputs["low"] == reference_output(low)
 
 
+def test_a_waiting_high_priority_request_takes_the_seat_of_the_lowest_running():
+    """vLLM's open bug (vllm#40004): with every seat taken, a higher-priority arrival
+    waits for a low one to finish. Here it is admitted the next step; the victim is the
+    lowest priority (latest arrival on ties), resumes at its own place in the queue, ahead
+    of later arrivals of its class, and ends with the tokens it would have had."""
+    sched = make_scheduler(max_num_seqs=3, num_blocks=64, block_size=4, scheduling_policy="priority")
+    driver = Driver(sched)
+    running = [req(f"low{i}", 4, 30, base=10 * i, priority=5 if i else 3, arrival_time=float(i)) for i in range(3)]
+    for r in running:
+        sched.add_request(r)
+    driver.step()
+    driver.step()
+    sched.add_request(req("urgent", 4, 4, base=100, priority=0, arrival_time=10.0))
+    sched.add_request(req("late-low", 4, 4, base=200, priority=5, arrival_time=11.0))
+    out, _ = driver.step()
+    assert out.preempted_request_ids == ["low2"]
+    assert "urgent" in rows(out) and "late-low" not in rows(out)
+    assert [r.request_id for r in sched.waiting] == ["low2", "late-low"]
+    driver.run()
+    for r in running:
+        assert driver.outputs[r.request_id] == reference_output(r)
+    sched.check_invariants()
+
+
+def test_priority_preemption_frees_blocks_and_each_victim_at_most_once():
+    # Three 6-token prompts hold 6 of 8 blocks; a 12-token prompt needs 3.
+    sched = make_scheduler(max_num_seqs=8, num_blocks=8, block_size=4, scheduling_policy="priority")
+    driver = Driver(sched)
+    low = [req(f"low{i}", 6, 12, base=10 * i, priority=5, arrival_time=float(i)) for i in range(3)]
+    for r in low:
+        sched.add_request(r)
+    driver.step()
+    urgent = [req(f"urgent{i}", 12, 3, base=100 + 20 * i, priority=0, arrival_time=10.0 + i) for i in range(4)]
+    sched.add_request(urgent[0])
+    out, _ = driver.step()
+    assert out.preempted_request_ids == ["low2"] and rows(out)["urgent0"] == 12
+    for r in urgent[1:]:
+        sched.add_request(r)
+    driver.run()
+    # Each low request gave way at most once (the aging rule), and every output is its own.
+    assert [r.num_priority_preemptions for r in low] == [1, 1, 1]
+    for r in (*low, *urgent):
+        assert driver.outputs[r.request_id] == reference_output(r)
+    sched.check_invariants()
+
+
+def test_fcfs_never_preempts_for_an_arrival():
+    sched = make_scheduler(max_num_seqs=2, num_blocks=64, block_size=4)
+    driver = Driver(sched)
+    for i in range(2):
+        sched.add_request(req(f"r{i}", 4, 10, base=10 * i, priority=5))
+    driver.step()
+    sched.add_request(req("urgent", 4, 4, base=100, priority=0))
+    out, _ = driver.step()
+    assert not out.preempted_request_ids and "urgent" not in rows(out)
+
+
 def test_waiting_queue_orders_by_priority_then_arrival():
     sched = make_scheduler(max_num_seqs=1, max_num_batched_tokens=64, scheduling_policy="priority")
     for rid, prio, t in [("late-urgent", 0, 3.0), ("early", 1, 1.0), ("early-urgent", 0, 2.0)]:

@@ -87,6 +87,7 @@ class Request:
     num_computed_tokens: int = field(init=False, default=0)
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
     num_preemptions: int = field(init=False, default=0)
+    num_priority_preemptions: int = field(init=False, default=0)  # as a priority victim (scheduler)
     # Prefix-cache hit in tokens at the first admission; None until then.
     num_cached_tokens: int | None = field(init=False, default=None)
     # The stop token id that ended the request (or a stop string the engine set).

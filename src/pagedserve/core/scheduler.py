@@ -42,6 +42,8 @@ from .request import CHILD_ID_SEPARATOR, Request, RequestStatus
 from .request_queue import make_waiting_queue
 from .step_budget import StepBudget
 
+# The aging rule of priority preemption (_preempt_for_priority).
+MAX_PRIORITY_PREEMPTIONS = 1
 RUNNING = RequestStatus.RUNNING
 ABORTED = RequestStatus.FINISHED_ABORTED
 LOADING = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -50,7 +52,7 @@ LOADING = RequestStatus.WAITING_FOR_REMOTE_KVS
 class _Step:
     """The step being built: its rows in order, the budget left, who was preempted."""
 
-    __slots__ = ("budget", "num_tokens", "rows", "index", "copies", "preempted", "decodes_left")
+    __slots__ = ("budget", "num_tokens", "rows", "index", "copies", "preempted", "ran_dry", "decodes_left")
 
     def __init__(self, budget: int):
         self.budget = budget
@@ -61,6 +63,9 @@ class _Step:
         self.index: dict[str, int] = {}
         self.copies: dict[int, tuple[tuple[int, int], ...]] = {}
         self.preempted: list[str] = []
+        # Whether a running row found the pool dry and preempted for blocks: then nothing
+        # is admitted this step (priority preemption, which frees room for admission, is not this).
+        self.ran_dry = False
 
     @property
     def is_empty(self) -> bool:
@@ -186,8 +191,9 @@ class Scheduler:
         if self._wants_prefill_step():
             self._schedule_waiting(step)
         if step.is_empty:
+            self._preempt_for_priority(step)
             self._schedule_running(step)
-            if not step.preempted:
+            if not step.ran_dry:
                 self._schedule_waiting(step)
         self.policy.end_step()
         released, self._released_ids = self._released_ids, []
@@ -422,6 +428,7 @@ class Scheduler:
             elif may_preempt:
                 victim = self.waiting.pick_victim(self.running)
                 self._preempt(victim, step)
+                step.ran_dry = True
             else:
                 return None
             if victim is req:
@@ -429,6 +436,35 @@ class Scheduler:
             alloc = self.kv_cache.allocate_slots(req, n, hit)
             if alloc is not None:
                 return alloc
+
+    def _preempt_for_priority(self, step: _Step) -> None:
+        """Priority policy: the first waiting request, short of a seat or of blocks for its
+        first chunk, takes them from running requests of lower priority (a larger value),
+        the lowest first. Done before any running row is placed, so no victim's row or
+        freshly indexed block has to be taken back. Aging: a request is a priority victim
+        at most MAX_PRIORITY_PREEMPTIONS times, so a stream of higher-priority arrivals
+        cannot keep restarting it; it re-enters the queue at its own (priority, arrival)
+        place, ahead of later arrivals of its class. The blocks counted ignore a prefix-cache
+        hit (looking one up here would count a query twice) and running prefill chunks
+        (which, short, preempt as before and hold admission to the next step)."""
+        if self.config.scheduling_policy != "priority" or not self.running:
+            return
+        head = self.policy.next_candidate(self.waiting)
+        if head is None:
+            return
+        bs = self.block_size
+        chunk = -(-min(head.num_tokens - head.num_computed_tokens, step.budget) // bs)
+        while (self._seats + head.num_seats > self.config.max_num_seqs
+               # The head's first chunk, and a block for each decode whose next token starts one.
+               or self.kv_cache.num_free_blocks
+               < chunk + sum(r.is_decode and r.num_computed_tokens % bs == 0 for r in self.running)):
+            victims = [r for r in self.running
+                       if r.priority > head.priority and r.num_priority_preemptions < MAX_PRIORITY_PREEMPTIONS]
+            if not victims:
+                return
+            victim = self.waiting.pick_victim(victims)
+            victim.num_priority_preemptions += 1
+            self._preempt(victim, step)
 
     def _preempt(self, victim: Request, step: _Step) -> None:
         step.drop(victim.request_id)
