@@ -13,7 +13,10 @@ import httpx
 
 from .server_process import start_server
 
-SHUTDOWN_TIMEOUT_S = 3.0
+# Long enough for an 8-token request to finish on a loaded 2-core machine; the long
+# stream outlives it even at the int8 path's single-stream speed (~200 tok/s).
+SHUTDOWN_TIMEOUT_S = 6.0
+LONG_FLAGS = ("--max-model-len", "4096", "--kv-cache-memory", "256MiB")
 
 
 def child_pids(pid: int) -> list[int]:
@@ -29,13 +32,13 @@ def child_pids(pid: int) -> list[int]:
 
 
 def test_sigterm_drains_then_aborts_then_exits_0(server_logs):
-    server = start_server(server_logs, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S))
+    server = start_server(server_logs, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), *LONG_FLAGS)
     long_events: list[dict] = []
     short_result: dict = {}
     first_token = threading.Event()
 
     def long_stream():
-        body = {"prompt": "An endless story:", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        body = {"prompt": "An endless story:", "max_tokens": 3000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
