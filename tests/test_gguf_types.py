@@ -123,18 +123,20 @@ def test_a_mixed_file_runs_on_native_blocks_with_the_dense_models_tokens(mixed_g
     assert ours == theirs
 
 
-def test_the_start_up_log_says_which_path_each_matrix_takes(mixed_gguf, caplog):
+@pytest.mark.parametrize("quantization, arithmetic", [("auto", "int8"), ("none", "fp32")])
+def test_the_start_up_log_says_which_path_each_matrix_takes(mixed_gguf, caplog, quantization, arithmetic):
     import logging
 
     from pagedserve.config import EngineConfig
     from pagedserve.engine.llm_engine import LLMEngine
 
     with caplog.at_level(logging.INFO, logger="pagedserve.engine.llm_engine"):
-        LLMEngine(EngineConfig(model=str(mixed_gguf), kv_cache_memory="16MiB", max_model_len=256))
+        LLMEngine(EngineConfig(model=str(mixed_gguf), kv_cache_memory="16MiB", max_model_len=256,
+                               quantization=quantization))
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights: "))
     # 30 layers. Q8_0: 30 v parts, 29 widened gate_up pairs, the tied head; Q5_0: 29 q/k
     # parts, 29 o; Q4_K / Q6_K: down; layer 0's gate_up Q5_1, layer 1's q/k and o Q4_1.
-    assert line == "weights: 60 on Q8_0 blocks (fp32 arithmetic), 58 on Q5_0 blocks (fp32 arithmetic), " \
-                   "20 on Q4_K blocks (fp32 arithmetic), 10 on Q6_K blocks (fp32 arithmetic), " \
-                   "2 on Q4_1 blocks (fp32 arithmetic), 1 on Q5_1 blocks (fp32 arithmetic); " \
+    a = f"({arithmetic} arithmetic)"
+    assert line == f"weights: 60 on Q8_0 blocks {a}, 58 on Q5_0 blocks {a}, 20 on Q4_K blocks {a}, " \
+                   f"10 on Q6_K blocks {a}, 2 on Q4_1 blocks {a}, 1 on Q5_1 blocks {a}; " \
                    "embedding on Q8_0 blocks", line
