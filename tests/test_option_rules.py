@@ -79,6 +79,15 @@ def test_the_engine_refuses_a_conflict_before_loading_anything(monkeypatch):
         llm_engine.LLMEngine(EngineConfig(itl_target_ms=100, policy="continuous", device="cpu"))
 
 
+def test_a_runner_built_directly_refuses_decode_graphs_beside_a_draft_model():
+    from pagedserve.core.kv_plan import KVCachePlan
+    from pagedserve.worker.model_runner import ModelRunner
+
+    speculative = EngineConfig(speculative_config=DRAFT).speculative_config
+    with pytest.raises(ValueError, match="decode graphs cannot run beside a draft model"):
+        ModelRunner(None, KVCachePlan(4, 16, 0, 1), 1, 64, speculative=speculative, decode_graphs="eager")
+
+
 def test_resolve_fills_what_follows_from_the_other_options_and_is_idempotent():
     cpu = EngineConfig(kernels="torch").resolve("cpu")
     assert (cpu.device, cpu.kernels, cpu.dtype, cpu.quantization, cpu.kv_cache_dtype) == (

@@ -24,7 +24,7 @@ from .core.contiguous_kv import CONTIGUOUS_BACKENDS, KV_LAYOUTS
 from .core.kv_connector import KVTransferConfig
 from .core.kv_plan import KV_CACHE_DTYPES
 from .core.step_budget import AUTO_ITL_RATIO, LatencyTarget
-from .core.validation import is_int, require_int
+from .core.validation import require_int
 from .kernels import KERNEL_CHOICES, resolve_kernels
 from .model.config import GGUF_WEIGHTS, QUANTIZATION_CHOICES
 from .model.device import CUDA_QUANTIZATION, DEVICE_CHOICES, DTYPE_CHOICES, resolve_dtype_name
@@ -155,6 +155,7 @@ class EngineConfig:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}")
         for name in ("max_loras", "max_lora_rank", "tensor_parallel_size", "nnodes"):
             require_int(name, getattr(self, name), 1)
+        require_int("node_rank", self.node_rank, 0)
         for name in ("kv_cache_memory", "num_threads", "max_cudagraph_batch"):
             if getattr(self, name) is not None:
                 require_int(name, getattr(self, name), 1)
@@ -204,7 +205,7 @@ class EngineConfig:
                        max_num_batched_tokens=max_num_batched_tokens)
 
     def _check_parallel(self, device: str, loaded_as: str | None) -> None:
-        if not is_int(self.node_rank) or not 0 <= self.node_rank < self.nnodes:
+        if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
         if self.tensor_parallel_size % self.nnodes:
             raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of "
