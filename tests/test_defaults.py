@@ -19,8 +19,8 @@ needs_native = pytest.mark.skipif(native_unavailable_reason() is not None,
 
 
 def _resolved(**options) -> tuple[str, str]:
-    placement = resolve_placement(EngineConfig(device="cpu", **options))
-    return placement.quantization, placement.kv_cache_dtype
+    config = resolve_placement(EngineConfig(device="cpu", **options)).config
+    return config.quantization, config.kv_cache_dtype
 
 
 @needs_native
@@ -46,9 +46,9 @@ def test_a_model_loaded_by_the_caller_keeps_what_it_was_loaded_as():
         return LoadedModel("m", None, None, None, None, quantization)
 
     for q in ("none", "gguf", "q8_0"):
-        placement = resolve_placement(EngineConfig(device="cpu"), loaded(q))
-        assert placement.quantization == q
-        assert placement.kv_cache_dtype == ("fp16" if q == "gguf" else "auto")
+        config = resolve_placement(EngineConfig(device="cpu"), loaded(q)).config
+        assert config.quantization == q
+        assert config.kv_cache_dtype == ("fp16" if q == "gguf" else "auto")
 
 
 @needs_native

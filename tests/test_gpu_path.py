@@ -65,7 +65,7 @@ def test_auto_picks_cuda_exactly_when_torch_sees_one(monkeypatch):
 ])
 def test_options_that_cannot_run_are_refused_naming_the_option(options, match):
     with pytest.raises(ValueError, match=match):
-        EngineConfig(**options)
+        EngineConfig(**options).resolve(options.get("device", "cpu"))
 
 
 def test_fp8_needs_no_native_kernels_and_cuda_options_parse_from_the_cli():
@@ -84,7 +84,7 @@ def test_fp8_needs_no_native_kernels_and_cuda_options_parse_from_the_cli():
 def test_cuda_placement_defaults_to_bf16_and_triton_and_refuses_cpu_only_parts(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     placement = resolve_placement(EngineConfig(device="auto"))
-    assert placement.device.type == "cuda" and placement.dtype == "bfloat16" and not placement.keeps_loaded_model
+    assert placement.device.type == "cuda" and placement.config.dtype == "bfloat16" and not placement.keeps_loaded_model
     assert default_backend_name("torch", "cuda") == "triton"
     with pytest.raises(ValueError, match="attention_backend='cpu' runs on cpu"):
         resolve_placement(EngineConfig(device="cuda", attention_backend="cpu"))
@@ -92,7 +92,7 @@ def test_cuda_placement_defaults_to_bf16_and_triton_and_refuses_cpu_only_parts(m
         resolve_placement(EngineConfig(device="cuda", speculative_config={"method": "draft_model", "model": "self:2"}))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cpu = resolve_placement(EngineConfig())
-    assert cpu.device.type == "cpu" and cpu.dtype == "float32" and cpu.keeps_loaded_model
+    assert cpu.device.type == "cpu" and cpu.config.dtype == "float32" and cpu.keeps_loaded_model
     assert not resolve_placement(EngineConfig(quantization="fp8")).keeps_loaded_model
 
 

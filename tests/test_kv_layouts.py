@@ -124,15 +124,15 @@ def test_admission_never_exceeds_the_configured_memory(loaded):
 
 def test_options_that_need_shared_pages_are_refused():
     with pytest.raises(ValueError, match="enable_prefix_caching needs kv_layout='paged'"):
-        EngineConfig(kv_layout="contiguous", enable_prefix_caching=True)
+        EngineConfig(kv_layout="contiguous", enable_prefix_caching=True).resolve("cpu")
     with pytest.raises(ValueError, match="draft_model"):
-        EngineConfig(kv_layout="contiguous", speculative_config={"method": "draft_model", "model": "self:8"})
+        EngineConfig(kv_layout="contiguous", speculative_config={"method": "draft_model", "model": "self:8"}).resolve("cpu")
     with pytest.raises(ValueError, match="needs kv_layout='contiguous'"):
-        EngineConfig(attention_backend="contiguous")
+        EngineConfig(attention_backend="contiguous").resolve("cpu")
     with pytest.raises(ValueError, match="kv_layout"):
         EngineConfig(kv_layout="virtual")
-    assert EngineConfig(kv_layout="contiguous").enable_prefix_caching is False
-    assert EngineConfig().enable_prefix_caching is True
+    assert EngineConfig(kv_layout="contiguous").resolve("cpu").enable_prefix_caching is False
+    assert EngineConfig().resolve("cpu").enable_prefix_caching is True
 
 
 @pytest.mark.parametrize("backend", [ContiguousAttention, NativeContiguousAttention], ids=["torch", "native"])

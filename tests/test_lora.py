@@ -315,7 +315,7 @@ def test_bad_adapters_are_clear_value_errors(loaded, adapter_paths, tmp_path):
     with pytest.raises(ValueError, match="LoRA is not enabled"):
         plain.generate("hi", GREEDY, use_tqdm=False, lora_name="all8")
     with pytest.raises(ValueError, match="lora_modules needs enable_lora"):
-        EngineConfig(lora_modules=["a=/x"])
+        EngineConfig(lora_modules=["a=/x"]).resolve("cpu")
     with pytest.raises(ValueError, match="NAME=PATH"):
         EngineConfig(enable_lora=True, lora_modules=["just-a-name"])
     with pytest.raises(ValueError, match="max_lora_rank must be an integer >= 1"):

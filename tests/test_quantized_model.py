@@ -45,7 +45,7 @@ def test_config_validates_quantization() -> None:
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="int8")
     with pytest.raises(ValueError, match="quantization='q8_0'.*kernels='torch'"):
-        EngineConfig(quantization="q8_0", kernels="torch")
+        EngineConfig(quantization="q8_0", kernels="torch").resolve("cpu")
     with pytest.raises(ValueError, match="quantization must be one of"):
         load_model(quantization="int4")
 

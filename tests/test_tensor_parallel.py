@@ -98,13 +98,13 @@ def test_splits_that_cannot_work_are_refused():
     with pytest.raises(ValueError, match="KV heads"):
         TPShard(tiny_config(num_heads=12, num_kv_heads=4, intermediate_size=24), 0, 6)
     with pytest.raises(ValueError, match="quantization"):
-        EngineConfig(tensor_parallel_size=2, quantization="q8_0")
+        EngineConfig(tensor_parallel_size=2, quantization="q8_0").resolve("cpu")
     with pytest.raises(ValueError, match="speculative_config"):
-        EngineConfig(tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+        EngineConfig(tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}).resolve("cpu")
     with pytest.raises(ValueError, match="nnodes > 1 needs distributed_init_method"):
-        EngineConfig(tensor_parallel_size=2, nnodes=2)
+        EngineConfig(tensor_parallel_size=2, nnodes=2).resolve("cpu")
     with pytest.raises(ValueError, match="multiple of nnodes"):
-        EngineConfig(tensor_parallel_size=3, nnodes=2, distributed_init_method="tcp://127.0.0.1:1")
+        EngineConfig(tensor_parallel_size=3, nnodes=2, distributed_init_method="tcp://127.0.0.1:1").resolve("cpu")
     with pytest.raises(ValueError, match="distributed_init_method must be"):
         EngineConfig(tensor_parallel_size=2, distributed_init_method="127.0.0.1:1")
 

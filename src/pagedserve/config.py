@@ -6,9 +6,12 @@ import argparse
 import dataclasses
 import math
 import os
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from .core.config import (
+    GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS,
     MIN_WHOLE_PROMPT_BUDGET,
     POLICIES,
     SCHEDULING_POLICIES,
@@ -17,16 +20,15 @@ from .core.config import (
     chunks_prefill,
     whole_prompt_budget,
 )
-from .core.contiguous_kv import CONTIGUOUS_BACKENDS, KV_LAYOUTS, check_kv_layout
+from .core.contiguous_kv import CONTIGUOUS_BACKENDS, KV_LAYOUTS
 from .core.kv_connector import KVTransferConfig
-from .core.kv_plan import KV_CACHE_DTYPES, check_kv_cache_dtype
+from .core.kv_plan import KV_CACHE_DTYPES
 from .core.step_budget import AUTO_ITL_RATIO, LatencyTarget
-from .core.validation import is_int, require_int
-from .kernels import KERNEL_CHOICES
+from .core.validation import require_int
+from .kernels import KERNEL_CHOICES, resolve_kernels
 from .model.config import GGUF_WEIGHTS, QUANTIZATION_CHOICES
-from .model.device import DEVICE_CHOICES, DTYPE_CHOICES, check_device_options
+from .model.device import CUDA_QUANTIZATION, DEVICE_CHOICES, DTYPE_CHOICES, resolve_dtype_name
 from .spec_decode.config import SpeculativeConfig
-
 
 
 def parse_memory(value: str | int | float) -> int:
@@ -45,147 +47,272 @@ def parse_memory(value: str | int | float) -> int:
 ENGINE_QUANTIZATION = ("auto", *QUANTIZATION_CHOICES)
 
 
+def option(default: object, help: str, type: Callable[[str], object], choices: tuple[str, ...] | None = None,
+           **cli: object) -> Any:
+    """An EngineConfig field with its flag's help, `type` (what parses the flag's text; bool makes
+    a --flag/--no-flag pair) and `choices`; `cli`: further argparse keywords (nargs, metavar)."""
+    return field(default=default, metadata={"help": help, "type": type, "choices": choices, "cli": cli})
+
+
 @dataclass
 class EngineConfig:
-    model: str | None = field(default=None, metadata={"help": "a .gguf file or HF folder; default: the embedded SmolLM2-135M-Instruct"})
-    block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
-    kv_cache_memory: int | None = field(default=None, metadata={"help": "bytes for the KV cache (e.g. 2GiB); default: a share of free RAM"})
-    max_num_seqs: int = field(default=128, metadata={"help": "most requests running at once"})
-    max_num_batched_tokens: int | None = field(default=None, metadata={"help": "a fixed token budget per step; default: chosen each step (a step beside decodes within "
-                f"{AUTO_ITL_RATIO:g}x their decode-only time, at most {MIN_WHOLE_PROMPT_BUDGET} tokens) on cpu; "
-                "a fixed budget on cuda (docs/gpu.md)"})
-    max_model_len: int | None = field(default=None, metadata={"help": "context length limit; default: the model's"})
-    enable_prefix_caching: bool | None = field(default=None, metadata={
-        "help": "reuse KV of shared prompt prefixes (default: on with the paged layout, which alone can share)"})
-    enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prefills across steps"})
-    long_prefill_token_threshold: int = field(default=0, metadata={"help": "cap one prompt's tokens per step (0 = off)"})
-    scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs or priority"})
-    policy: str = field(default="chunked", metadata={"help": "scheduler study mode: " + ", ".join(POLICIES)})
-    attention_backend: str | None = field(default=None, metadata={
-        "help": "native (the default with native kernels), cpu (the default with torch kernels), triton (CUDA) or reference"})
-    kernels: str = field(default="auto", metadata={
-        "help": "native: pagedserve's AVX2 op library; torch: pure torch; auto: native where the CPU and build allow"})
-    itl_target_ms: float | None = field(default=None, metadata={
-        "help": "choose each step's token budget to keep inter-token latency under this (chunked policy); "
-                "--max-num-batched-tokens is then the cap (default 2048)"})
-    ttft_target_ms: float | None = field(default=None, metadata={
-        "help": "with a latency target: how long a step may take when no decode is running (default: up to the cap)"})
-    quantization: str = field(default="auto", metadata={
-        "help": "linear-layer weights: auto (gguf for a GGUF file on the CPU's native kernels, as llama.cpp "
+    """The options as given. `resolve` checks which go together and fills the defaults that
+    depend on one another or on the device; the engine runs only a resolved config."""
+
+    model: str | None = option(None, "a .gguf file or HF folder; default: the embedded SmolLM2-135M-Instruct", str)
+    block_size: int = option(16, "tokens per KV-cache block", int)
+    kv_cache_memory: int | None = option(
+        None, "bytes for the KV cache (e.g. 2GiB); default: a share of free RAM", parse_memory)
+    max_num_seqs: int = option(128, "most requests running at once", int)
+    max_num_batched_tokens: int | None = option(
+        None, "a fixed token budget per step; default: chosen each step (a step beside decodes within "
+              f"{AUTO_ITL_RATIO:g}x their decode-only time, at most {MIN_WHOLE_PROMPT_BUDGET} tokens) on cpu; "
+              "a fixed budget on cuda (docs/gpu.md)", int)
+    max_model_len: int | None = option(None, "context length limit; default: the model's", int)
+    enable_prefix_caching: bool | None = option(
+        None, "reuse KV of shared prompt prefixes (default: on with the paged layout, which alone can share)", bool)
+    enable_chunked_prefill: bool = option(True, "split long prefills across steps", bool)
+    long_prefill_token_threshold: int = option(0, "cap one prompt's tokens per step (0 = off)", int)
+    scheduling_policy: str = option("fcfs", "fcfs or priority", str, SCHEDULING_POLICIES)
+    policy: str = option("chunked", "scheduler study mode: " + ", ".join(POLICIES), str, POLICIES)
+    attention_backend: str | None = option(
+        None, "native (the default with native kernels), cpu (the default with torch kernels), triton (CUDA) "
+              "or reference", str)
+    kernels: str = option(
+        "auto", "native: pagedserve's AVX2 op library; torch: pure torch; auto: native where the CPU and build allow",
+        str, KERNEL_CHOICES)
+    itl_target_ms: float | None = option(
+        None, "choose each step's token budget to keep inter-token latency under this (chunked policy); "
+              "--max-num-batched-tokens is then the cap (default 2048)", float)
+    ttft_target_ms: float | None = option(
+        None, "with a latency target: how long a step may take when no decode is running (default: up to the cap)",
+        float)
+    quantization: str = option(
+        "auto", "linear-layer weights: auto (gguf for a GGUF file on the CPU's native kernels, as llama.cpp "
                 "runs it; else none); none (--dtype; a GGUF's blocks multiplied in fp32, see --gguf-weights); "
                 "q8_0, q4_0, q4_1 (llama.cpp blocks, quantised at load) or gguf (a GGUF's own blocks with int8 "
                 "activations), CPU-only, on the native kernels; fp8 (e4m3 with per-channel scales, through "
-                "torch._scaled_mm)"})
-    gguf_weights: str = field(default="blocks", metadata={
-        "help": "with --quantization none: blocks (a GGUF's Q4_0/Q4_1/Q8_0 matrices read in place and multiplied "
-                "in fp32 by the native kernels: the same model at a sixth of the bytes, fastest at small batches) "
-                "or dense (inflated to fp32 matrices for oneDNN, which can be faster at large batches on AVX-512)"})
-    kv_cache_dtype: str = field(default="auto", metadata={
-        "help": "KV cache elements: auto (fp16 beside a GGUF's int8 path, as llama.cpp; else the model's dtype), "
+                "torch._scaled_mm)", str, ENGINE_QUANTIZATION)
+    gguf_weights: str = option(
+        "blocks", "with --quantization none: blocks (a GGUF's Q4_0/Q4_1/Q8_0 matrices read in place and multiplied "
+                  "in fp32 by the native kernels: the same model at a sixth of the bytes, fastest at small batches) "
+                  "or dense (inflated to fp32 matrices for oneDNN, which can be faster at large batches on AVX-512)",
+        str, GGUF_WEIGHTS)
+    kv_cache_dtype: str = option(
+        "auto", "KV cache elements: auto (fp16 beside a GGUF's int8 path, as llama.cpp; else the model's dtype), "
                 "fp32, fp16 (half the bytes), fp8_e4m3 or fp8_e5m2 (a quarter); "
-                "narrower ones are converted to fp32 as attention reads them"})
-    kv_layout: str = field(default="paged", metadata={
-        "help": "paged: blocks from a preallocated pool; contiguous: one demand-paged virtual region per "
-                "request, committed by the OS as tokens arrive (no prefix caching, n > 1 or draft models)"})
-    device: str = field(default="auto", metadata={
-        "help": "cpu, cuda, or auto (cuda when torch sees one); see docs/gpu.md"})
-    dtype: str = field(default="auto", metadata={
-        "help": "weights and activations: auto (float32 on cpu, bfloat16 on cuda), float32, bfloat16, float16 (cuda)"})
-    enforce_eager: bool = field(default=False, metadata={"help": "cuda: run decode steps eagerly, no CUDA graphs"})
-    max_cudagraph_batch: int | None = field(default=None, metadata={
-        "help": "cuda: the largest decode batch captured in a CUDA graph (default min(max_num_seqs, 256))"})
-    gpu_memory_utilization: float = field(default=0.9, metadata={
-        "help": "cuda: share of the device's memory for weights, activations and the KV pool (without --kv-cache-memory)"})
-    num_threads: int | None = field(default=None, metadata={
-        "help": "torch threads (per tensor-parallel rank); default: all cores, shared among a node's ranks"})
-    seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
-    speculative_config: SpeculativeConfig | dict | str | None = field(default=None, metadata={
-        "help": 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                'or \'{"method": "draft_model", "model": "self:8"}\''})
-    tensor_parallel_size: int = field(default=1, metadata={
-        "help": "ranks the model's layers are split across, each in its own process (docs/tensor-parallel.md)"})
-    distributed_init_method: str | None = field(default=None, metadata={
-        "help": "where the ranks meet: tcp://host:port or env:// (MASTER_ADDR/MASTER_PORT); "
-                "default: a free port on 127.0.0.1 (one node)"})
-    nnodes: int = field(default=1, metadata={"help": "hosts the tensor-parallel ranks are spread over"})
-    node_rank: int = field(default=0, metadata={
-        "help": "this host's index among --nnodes (0 runs the engine; others run `pagedserve worker`)"})
-    kv_transfer_config: KVTransferConfig | dict | str | None = field(default=None, metadata={
-        "help": 'disaggregated prefill/decode as JSON, e.g. \'{"kv_connector": "PagedServeConnector", '
-                '"kv_role": "kv_producer", "kv_port": 14579, "lease_seconds": 30}\' (see docs/disaggregated.md)'})
-    enable_lora: bool = field(default=False, metadata={
-        "help": "serve LoRA adapters (PEFT folders) beside the base model; a request's model names one"})
-    lora_modules: dict[str, str] | list[str] | None = field(default=None, metadata={
-        "help": "adapters to load at start, as NAME=PATH (a folder with adapter_config.json and "
-                "adapter_model.safetensors); needs --enable-lora"})
-    max_loras: int = field(default=4, metadata={"help": "most LoRA adapters loaded at once"})
-    max_lora_rank: int = field(default=16, metadata={"help": "largest LoRA rank an adapter may have"})
+                "narrower ones are converted to fp32 as attention reads them", str, KV_CACHE_DTYPES)
+    kv_layout: str = option(
+        "paged", "paged: blocks from a preallocated pool; contiguous: one demand-paged virtual region per "
+                 "request, committed by the OS as tokens arrive (no prefix caching, n > 1 or draft models)",
+        str, KV_LAYOUTS)
+    device: str = option("auto", "cpu, cuda, or auto (cuda when torch sees one); see docs/gpu.md", str, DEVICE_CHOICES)
+    dtype: str = option(
+        "auto", "weights and activations: auto (float32 on cpu, bfloat16 on cuda), float32, bfloat16, float16 (cuda)",
+        str, DTYPE_CHOICES)
+    enforce_eager: bool = option(False, "cuda: run decode steps eagerly, no CUDA graphs", bool)
+    max_cudagraph_batch: int | None = option(
+        None, "cuda: the largest decode batch captured in a CUDA graph (default min(max_num_seqs, 256))", int)
+    gpu_memory_utilization: float = option(
+        0.9, "cuda: share of the device's memory for weights, activations and the KV pool (without --kv-cache-memory)",
+        float)
+    num_threads: int | None = option(
+        None, "torch threads (per tensor-parallel rank); default: all cores, shared among a node's ranks", int)
+    seed: int = option(0, "seed for requests that give none", int)
+    speculative_config: SpeculativeConfig | dict | str | None = option(
+        None, 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+              'or \'{"method": "draft_model", "model": "self:8"}\'', str)
+    tensor_parallel_size: int = option(
+        1, "ranks the model's layers are split across, each in its own process (docs/tensor-parallel.md)", int)
+    distributed_init_method: str | None = option(
+        None, "where the ranks meet: tcp://host:port or env:// (MASTER_ADDR/MASTER_PORT); "
+              "default: a free port on 127.0.0.1 (one node)", str)
+    nnodes: int = option(1, "hosts the tensor-parallel ranks are spread over", int)
+    node_rank: int = option(
+        0, "this host's index among --nnodes (0 runs the engine; others run `pagedserve worker`)", int)
+    kv_transfer_config: KVTransferConfig | dict | str | None = option(
+        None, 'disaggregated prefill/decode as JSON, e.g. \'{"kv_connector": "PagedServeConnector", '
+              '"kv_role": "kv_producer", "kv_port": 14579, "lease_seconds": 30}\' (see docs/disaggregated.md)', str)
+    enable_lora: bool = option(
+        False, "serve LoRA adapters (PEFT folders) beside the base model; a request's model names one", bool)
+    lora_modules: dict[str, str] | list[str] | None = option(
+        None, "adapters to load at start, as NAME=PATH (a folder with adapter_config.json and "
+              "adapter_model.safetensors); needs --enable-lora", str, nargs="+", metavar="NAME=PATH")
+    max_loras: int = option(4, "most LoRA adapters loaded at once", int)
+    max_lora_rank: int = option(16, "largest LoRA rank an adapter may have", int)
 
     def __post_init__(self) -> None:
+        """Each option on its own: parsed from its text form and checked against its choices or
+        range. Which options go together is `resolve`'s."""
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_memory(self.kv_cache_memory)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
-        if self.gguf_weights not in GGUF_WEIGHTS:
-            raise ValueError(f"gguf_weights must be one of {', '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
-        if self.kernels not in KERNEL_CHOICES:
-            raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
-        if self.quantization not in ENGINE_QUANTIZATION:
-            raise ValueError(f"quantization must be one of {', '.join(ENGINE_QUANTIZATION)}, got {self.quantization!r}")
-        check_kv_cache_dtype(self.kv_cache_dtype)
         self.lora_modules = parse_lora_modules(self.lora_modules)
-        for name in ("max_loras", "max_lora_rank"):
+        for f in fields(self):
+            choices = f.metadata["choices"]
+            if choices is not None and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}")
+        for name in ("max_loras", "max_lora_rank", "tensor_parallel_size", "nnodes"):
             require_int(name, getattr(self, name), 1)
-        if self.lora_modules and not self.enable_lora:
-            raise ValueError("lora_modules needs enable_lora")
-        if len(self.lora_modules) > self.max_loras:
-            raise ValueError(f"lora_modules names {len(self.lora_modules)} adapters; max_loras is {self.max_loras}")
-        if self.device != "auto":
-            check_device_options(self.device, self.dtype, self.quantization, self.kernels)
-        elif self.dtype not in DTYPE_CHOICES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
-        self._check_kv_layout()
-        if self.quantization not in ("auto", "none", "fp8") and self.kernels == "torch":
-            raise ValueError(f"quantization={self.quantization!r} runs on the native kernels; kernels='torch' has none")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 (the adapters are not sharded)")
-        # Scheduler and cache fields are validated by core's SchedulerConfig / CacheConfig
-        # when the engine builds them; only the engine's own fields are checked here.
-        self._check_parallel()
-        if (isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))
-                or not 0 < self.gpu_memory_utilization <= 1):
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        require_int("node_rank", self.node_rank, 0)
         for name in ("kv_cache_memory", "num_threads", "max_cudagraph_batch"):
             if getattr(self, name) is not None:
                 require_int(name, getattr(self, name), 1)
+        if (isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))
+                or not 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         for name in ("itl_target_ms", "ttft_target_ms"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value) or value <= 0):
                 raise ValueError(f"{name} must be a number of milliseconds > 0, got {value!r}")
+        method = self.distributed_init_method
+        if method is not None and not (method.startswith("tcp://") or method == "env://"):
+            raise ValueError(f"distributed_init_method must be tcp://host:port or env://, got {method!r}")
 
-    def _check_parallel(self) -> None:
-        for name in ("tensor_parallel_size", "nnodes"):
-            require_int(name, getattr(self, name), 1)
-        if not is_int(self.node_rank) or not 0 <= self.node_rank < self.nnodes:
+    def resolve(self, device: str, loaded_as: str | None = None) -> EngineConfig:
+        """This config checked against every rule about which options go together, then with
+        the defaults that follow from other options filled in: kernels, dtype, quantization and
+        kv_cache_dtype concrete, enable_prefix_caching set, and cuda's fixed token budget. The one
+        place those rules live (docs/architecture.md); nothing the engine builds rewrites them.
+
+        `device`: "cpu" or "cuda", what `self.device` resolved to (model/device.resolve_device_name).
+        `loaded_as`: the quantization of a model the caller loaded; None when the engine loads it.
+        Raises ValueError naming the options that conflict, before anything is loaded."""
+        if self.device not in ("auto", device) or device not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r} cannot run as {device!r}")
+        max_num_batched_tokens = self.max_num_batched_tokens
+        # On cuda a step's weight reads are cheap beside its tokens: vLLM's fixed budget, no automatic target.
+        if (device == "cuda" and max_num_batched_tokens is None and not self.has_latency_target
+                and chunks_prefill(self.policy, self.enable_chunked_prefill)):
+            max_num_batched_tokens = GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
+        self._check_parallel(device, loaded_as)
+        self._check_kv_layout(device)
+        self._check_device(device)
+        self._check_scheduling(max_num_batched_tokens)
+        self._check_lora(device)
+        kernels = "torch" if device == "cuda" else resolve_kernels(self.kernels)
+        quantization = self._quantization(kernels, loaded_as)
+        # fp16 KV costs nothing measured in accuracy (docs/benchmarks.md) and halves what
+        # decode attention reads; llama.cpp stores f16 too. Beside fp32 weights "auto" stays
+        # the model's dtype, so the fp32 path remains the exact oracle of transformers.
+        kv_cache_dtype = "fp16" if self.kv_cache_dtype == "auto" and quantization == "gguf" else self.kv_cache_dtype
+        return replace(self, device=device, kernels=kernels, dtype=resolve_dtype_name(self.dtype, device),
+                       quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                       enable_prefix_caching=self.kv_layout == "paged" if self.enable_prefix_caching is None
+                       else self.enable_prefix_caching,
+                       max_num_batched_tokens=max_num_batched_tokens)
+
+    def _check_parallel(self, device: str, loaded_as: str | None) -> None:
+        if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
         if self.tensor_parallel_size % self.nnodes:
             raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of "
                              f"nnodes ({self.nnodes}): every node runs as many ranks")
         if self.nnodes > 1 and not self.distributed_init_method:
             raise ValueError("nnodes > 1 needs distributed_init_method (tcp://HOST:PORT of node 0, or env://)")
-        method = self.distributed_init_method
-        if method is not None and not (method.startswith("tcp://") or method == "env://"):
-            raise ValueError(f"distributed_init_method must be tcp://host:port or env://, got {method!r}")
+        if self.tensor_parallel_size == 1:
+            return
+        if device == "cuda":
+            raise ValueError("tensor_parallel_size > 1 runs on the CPU (gloo) only; use device='cpu'")
+        if loaded_as is not None:
+            raise ValueError("tensor_parallel_size > 1 loads each rank's shard itself; pass no loaded model")
+        if self.speculative_config is not None:
+            raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")
+        if self.quantization not in ("auto", "none"):
+            raise ValueError(f"quantization={self.quantization!r} is not supported with tensor_parallel_size > 1 "
+                             "(the shards are fp32; use quantization='none')")
+        if self.kv_transfer_config is not None:
+            # The connector moves one rank's cache; the other ranks' shards would stay behind.
+            raise ValueError("kv_transfer_config is not supported with tensor_parallel_size > 1")
+        if self.enable_lora:
+            raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 (the adapters are not sharded)")
+
+    def _check_kv_layout(self, device: str) -> None:
+        if self.kv_layout == "paged":
+            if self.attention_backend in CONTIGUOUS_BACKENDS:
+                raise ValueError(f"attention_backend {self.attention_backend!r} needs kv_layout='contiguous'")
+            return
+        # Sharing a prefix or a forked prompt means mapping the same pages into several
+        # regions; docs/kv-layouts.md says why that is left to the paged layout.
+        if self.enable_prefix_caching:
+            raise ValueError("enable_prefix_caching needs kv_layout='paged': the contiguous layout shares no pages")
+        if device == "cuda":
+            raise ValueError("kv_layout='contiguous' maps host memory; use kv_layout='paged' on device='cuda'")
+        # Its regions live in this process's address space, read by this process's attention.
         if self.tensor_parallel_size > 1:
-            if self.speculative_config is not None:
-                raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")
-            if self.quantization not in ("auto", "none"):
-                raise ValueError(f"quantization={self.quantization!r} is not supported with tensor_parallel_size > 1 "
-                                 "(the shards are fp32; use quantization='none')")
-            if self.kv_transfer_config is not None:
-                # The connector moves one rank's cache; the other ranks' shards would stay behind.
-                raise ValueError("kv_transfer_config is not supported with tensor_parallel_size > 1")
+            raise ValueError("kv_layout='contiguous' is not supported with tensor_parallel_size > 1")
+        if self.kv_transfer_config is not None:
+            raise ValueError("kv_layout='contiguous' is not supported with kv_transfer_config")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            raise ValueError("speculative_config method 'draft_model' needs kv_layout='paged' (its scratch blocks "
+                             "are paged); use method 'ngram' with the contiguous layout")
+
+    def _check_device(self, device: str) -> None:
+        if self.quantization not in ("auto", "none", "fp8") and self.kernels == "torch":
+            raise ValueError(f"quantization={self.quantization!r} runs on the native kernels; kernels='torch' has none")
+        if device == "cpu":
+            if self.dtype not in ("auto", "float32"):
+                raise ValueError(f"dtype={self.dtype!r} runs on cuda only; on device='cpu' the model computes in float32")
+            return
+        from .attention.selector import TRITON_BACKEND  # here: the backends import torch, which a config need not
+
+        if self.quantization not in CUDA_QUANTIZATION:
+            raise ValueError(f"quantization={self.quantization!r} runs on pagedserve's CPU kernels only; "
+                             f"on device='cuda' use one of {', '.join(CUDA_QUANTIZATION)}")
+        if self.kernels == "native":
+            raise ValueError("kernels='native' is pagedserve's CPU op library; on device='cuda' use kernels='auto' "
+                             "or 'torch'")
+        if self.attention_backend not in (None, TRITON_BACKEND):
+            raise ValueError(f"attention_backend={self.attention_backend!r} runs on cpu; on device='cuda' use "
+                             f"{TRITON_BACKEND!r} (the default there)")
+        spec = self.speculative_config
+        # Also why decode graphs never meet a draft model (worker/model_runner.py).
+        if spec is not None and spec.method != "ngram":
+            raise ValueError("speculative_config with a draft model runs on cpu only; on device='cuda' use "
+                             "method 'ngram'")
+
+    def _check_scheduling(self, max_num_batched_tokens: int | None) -> None:
+        chunked = chunks_prefill(self.policy, self.enable_chunked_prefill)
+        if self.has_latency_target and not chunked:
+            raise ValueError("itl_target_ms and ttft_target_ms need chunked prefill (policy 'chunked' with "
+                             f"enable_chunked_prefill); policy is {self.policy!r}, enable_chunked_prefill "
+                             f"{self.enable_chunked_prefill}")
+        if self.kv_transfer_config is not None and self.policy not in ("chunked", "continuous"):
+            raise ValueError(f"kv_transfer_config needs policy 'chunked' or 'continuous', got {self.policy!r}")
+        # Without a fixed budget or a target's cap, the budget holds a whole prompt and every seat.
+        cap = max_num_batched_tokens or (MIN_WHOLE_PROMPT_BUDGET if self.has_latency_target or chunked else None)
+        # Running decodes are scheduled before anything else, one token each; if they could
+        # outnumber the budget, the ones at the back would starve.
+        if cap is not None and self.max_num_seqs > cap:
+            raise ValueError(f"max_num_seqs ({self.max_num_seqs}) must be <= max_num_batched_tokens ({cap}) "
+                             "so every running decode fits one step")
+
+    def _check_lora(self, device: str) -> None:
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        if len(self.lora_modules) > self.max_loras:
+            raise ValueError(f"lora_modules names {len(self.lora_modules)} adapters; max_loras is {self.max_loras}")
+        if self.enable_lora and device == "cuda":
+            raise ValueError("enable_lora runs on the CPU only so far (the adapter stacks live in host memory); "
+                             "device is 'cuda'")
+
+    def _quantization(self, kernels: str, loaded_as: str | None) -> str:
+        """"auto": a GGUF file's own blocks with int8 activations where the native kernels run
+        them on one rank, as llama.cpp runs the file (perplexity within 0.3% of fp32 on the
+        blocks, docs/benchmarks.md); a model the caller loaded as it was loaded; otherwise the
+        weights as --dtype."""
+        if self.quantization != "auto":
+            return self.quantization
+        if loaded_as is not None:
+            return loaded_as
+        if kernels != "native" or self.tensor_parallel_size > 1:
+            return "none"
+        from .model.sources import resolve_model  # here: it reads the tokenizer library, which a config need not
+
+        return "gguf" if resolve_model(self.model).kind == "gguf" else "none"
 
     @property
     def ranks_per_node(self) -> int:
@@ -194,26 +321,6 @@ class EngineConfig:
     def rank_num_threads(self) -> int:
         """Torch threads for one rank: the flag, else this host's cores shared by its ranks."""
         return self.num_threads or max(1, default_num_threads() // self.ranks_per_node)
-
-    def _check_kv_layout(self) -> None:
-        contiguous = check_kv_layout(self.kv_layout) == "contiguous"
-        if self.enable_prefix_caching is None:
-            self.enable_prefix_caching = not contiguous
-        if not contiguous:
-            if self.attention_backend in CONTIGUOUS_BACKENDS:
-                raise ValueError(f"attention_backend {self.attention_backend!r} needs kv_layout='contiguous'")
-            return
-        # Sharing a prefix or a forked prompt means mapping the same pages into several
-        # regions; docs/kv-layouts.md says why that is left to the paged layout.
-        if self.enable_prefix_caching:
-            raise ValueError("enable_prefix_caching needs kv_layout='paged': the contiguous layout shares no pages")
-        if self.tensor_parallel_size > 1 or self.kv_transfer_config is not None:
-            # Its regions live in this process's address space, read by this process's attention.
-            raise ValueError("kv_layout='contiguous' is not supported with tensor_parallel_size > 1 or kv_transfer_config")
-        spec = self.speculative_config
-        if spec is not None and spec.method == "draft_model":
-            raise ValueError("speculative_config method 'draft_model' needs kv_layout='paged' (its scratch blocks "
-                             "are paged); use method 'ngram' with the contiguous layout")
 
     def effective_max_num_batched_tokens(self, max_model_len: int) -> int:
         """The flag if given; else, when a target (given or automatic) sizes each step, the
@@ -259,28 +366,15 @@ class EngineConfig:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """One flag per field, typed, constrained and explained by the field's own metadata (`option`)."""
         for f in fields(cls):
+            meta = f.metadata
             flag = "--" + f.name.replace("_", "-")
-            help_text = f.metadata.get("help")
-            if f.type in ("bool", "bool | None") or isinstance(f.default, bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
-            elif f.name == "kv_cache_memory":
-                parser.add_argument(flag, type=parse_memory, default=None, help=help_text)
-            elif f.name in ("model", "attention_backend", "speculative_config", "distributed_init_method",
-                            "kv_transfer_config"):
-                parser.add_argument(flag, type=str, default=f.default, help=help_text)
-            elif f.name == "lora_modules":
-                parser.add_argument(flag, nargs="+", default=None, metavar="NAME=PATH", help=help_text)
-            elif f.name in ("itl_target_ms", "ttft_target_ms", "gpu_memory_utilization"):
-                parser.add_argument(flag, type=float, default=f.default, help=help_text)
-            elif f.name in ("policy", "scheduling_policy", "kernels", "quantization", "kv_cache_dtype", "device", "dtype",
-                            "kv_layout", "gguf_weights"):
-                choices = {"policy": POLICIES, "scheduling_policy": SCHEDULING_POLICIES, "kernels": KERNEL_CHOICES,
-                           "quantization": ENGINE_QUANTIZATION, "gguf_weights": GGUF_WEIGHTS, "kv_cache_dtype": KV_CACHE_DTYPES,
-                           "device": DEVICE_CHOICES, "dtype": DTYPE_CHOICES, "kv_layout": KV_LAYOUTS}[f.name]
-                parser.add_argument(flag, choices=choices, default=f.default, help=help_text)
+            if meta["type"] is bool:
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"])
             else:
-                parser.add_argument(flag, type=int, default=f.default, help=help_text)
+                parser.add_argument(flag, type=meta["type"], choices=meta["choices"], default=f.default,
+                                    help=meta["help"], **meta["cli"])
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":

@@ -21,6 +21,8 @@ MIN_WHOLE_PROMPT_BUDGET = 2048
 # for ~5 s behind a long prompt here; 256 keeps the worst inter-token gap well
 # under a second while chunks stay large enough for efficient matmuls.
 CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
+# vLLM's GPU token budget per step: on a GPU a 2,048-token step still takes milliseconds.
+GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 def whole_prompt_budget(max_model_len: int, max_num_seqs: int) -> int:

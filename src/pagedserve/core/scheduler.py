@@ -114,6 +114,7 @@ class Scheduler:
         half of a KV connector (disaggregated prefill/decode); None calls nothing of it.
         `kv_cache`: another KV layout; None builds the paged one from cache_config."""
         self.config = scheduler_config
+        # For callers that build a scheduler directly: the engine's options met these rules in EngineConfig.resolve.
         if kv_connector is not None and scheduler_config.policy not in ("chunked", "continuous"):
             raise ValueError(f"a KV connector needs policy 'chunked' or 'continuous', got {scheduler_config.policy!r}")
         self.connector = kv_connector

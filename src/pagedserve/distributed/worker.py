@@ -15,7 +15,8 @@ import torch
 
 from ..attention.selector import default_backend_name, get_backend
 from ..config import EngineConfig
-from ..kernels import kernel_report, resolve_kernels
+from ..kernels import kernel_report
+from ..model.device import resolve_device_name
 from ..worker.kv_cache import allocate_kv_caches, copy_blocks, kv_cache_torch_dtype
 from . import step_message
 from .group import TPGroup
@@ -51,7 +52,8 @@ def worker_main(args: WorkerArgs) -> None:
 
 @torch.inference_mode()
 def serve_rank(config: EngineConfig, rank: int, init_method: str) -> None:
-    kernels = resolve_kernels(config.kernels)
+    """`config`: resolved (EngineConfig.resolve), by rank 0's engine or by `run_node`."""
+    kernels = config.kernels
     size = config.tensor_parallel_size
     loaded, group = load_parallel_model(config.model, rank, size, lambda: TPGroup.join(init_method, rank, size))
     model = loaded.model
@@ -102,6 +104,7 @@ def run_node(config: EngineConfig) -> int:
     if config.nnodes < 2 or config.node_rank < 1:
         raise ValueError("pagedserve worker runs the ranks of nodes 1 .. nnodes-1: give --nnodes >= 2 and "
                          "--node-rank >= 1 (node 0 runs `pagedserve serve` or `generate`)")
+    config = config.resolve(resolve_device_name(config.device))
     ranks = node_ranks(config)
     if len(ranks) == 1:  # run it here (worker_main ends the process): a child of its own would only be waited for
         worker_main(WorkerArgs(config, ranks[0], config.distributed_init_method))

@@ -9,9 +9,6 @@ from ..core.memory_plan import DeviceMemoryPlan, plan_device_memory
 from ..model.config import ModelConfig
 from ..model.device import DTYPE_BYTES
 
-# vLLM's GPU token budget per step: on a GPU a 2,048-token step still takes milliseconds.
-GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-
 
 def kv_dtype_bytes(kv_cache_dtype: str, dtype: str) -> int:
     """Bytes per K/V element: "auto" stores the activations' dtype."""

@@ -16,7 +16,7 @@ import torch
 
 from ..attention.selector import default_backend_name
 from ..config import EngineConfig, default_kv_cache_memory
-from ..core.config import CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS, chunks_prefill
+from ..core.config import CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
 from ..core.kv_plan import KV_CACHE_DTYPE_BYTES, KVCachePlan, plan_kv_cache
 from ..core.outputs import SchedulerOutput, SchedulerStats
 from ..core.pd_connector import PagedServeConnectorScheduler
@@ -42,7 +42,7 @@ from ..worker.draft_model import draft_kv, load_draft
 from ..worker.model_runner import ModelRunner, RunnerOutput
 from ..worker.sampler import LogprobsTensors
 from .detokenizer import IncrementalDetokenizer
-from .device_memory import GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS, device_memory_plan, kv_dtype_bytes
+from .device_memory import device_memory_plan, kv_dtype_bytes
 from .placement import resolve_placement
 from .lora_registry import LoRAModule, LoRARegistry
 from .step_timing import step_time_model
@@ -132,24 +132,10 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         start = time.perf_counter()
         self.placement = placement = resolve_placement(config, loaded)
-        config = self.config = replace(config, quantization=placement.quantization,
-                                       kv_cache_dtype=placement.kv_cache_dtype)
-        # On cuda a step's weight reads are cheap beside its tokens: vLLM's fixed budget, no automatic target.
-        if (placement.on_gpu and config.max_num_batched_tokens is None and not config.has_latency_target
-                and chunks_prefill(config.policy, config.enable_chunked_prefill)):
-            config = self.config = replace(config, max_num_batched_tokens=GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS)
-        if placement.on_gpu and config.kv_layout == "contiguous":
-            raise ValueError("kv_layout='contiguous' maps host memory; use kv_layout='paged' on cuda")
-        if placement.on_gpu and config.enable_lora:
-            raise ValueError("enable_lora runs on the CPU only so far (the adapter stacks live in host memory)")
-        if config.tensor_parallel_size > 1:
-            if loaded is not None:
-                raise ValueError("tensor_parallel_size > 1 loads each rank's shard itself; pass no loaded model")
-            if placement.on_gpu:
-                raise ValueError("tensor_parallel_size > 1 runs on the CPU (gloo) only; use device='cpu'")
+        config = self.config = placement.config
         # Rank 0 of tensor parallelism is this process; the executor starts the other ranks.
         self.tp = TensorParallelExecutor(config) if config.tensor_parallel_size > 1 else None
-        self.kernels = placement.kernels
+        self.kernels = config.kernels
         try:
             # fp32 on the native kernels reads a GGUF's Q4/Q8 blocks in place (the same model).
             self._build(config, loaded or (self.tp.loaded if self.tp is not None else load_model(
@@ -176,11 +162,11 @@ class LLMEngine:
         pool = None
         if placement.on_gpu:
             memory_plan = device_memory_plan(config, mc, torch.cuda.mem_get_info(placement.device)[1],
-                                             placement.dtype, config.effective_max_num_batched_tokens(self.max_model_len))
+                                             config.dtype, config.effective_max_num_batched_tokens(self.max_model_len))
             pool = memory_plan.kv_pool_bytes
         # The model's own config is a rank's share under tensor parallelism.
         plan = _plan_kv_cache(config, self.loaded.model.config, draft, pool,
-                              kv_dtype_bytes(config.kv_cache_dtype, placement.dtype))
+                              kv_dtype_bytes(config.kv_cache_dtype, config.dtype))
         if self.tp is not None:
             self.tp.start(plan.num_blocks, config.block_size, config.kv_cache_dtype, self.kernels)
         lora_slots = (LoRASlots(mc, config.max_loras, config.max_lora_rank, native=self.kernels == "native")

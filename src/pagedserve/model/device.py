@@ -1,4 +1,5 @@
-"""Where the model runs and in which dtype: `--device` and `--dtype`, resolved and checked.
+"""Where the model runs and in which dtype: `--device` and `--dtype` resolved (which other
+options each allows is EngineConfig.resolve's).
 
 Importing this module does not import torch (the config and the simulator name the choices);
 `resolve_device` and `torch_dtype` do.
@@ -38,22 +39,6 @@ def resolve_dtype_name(dtype: str, device: str) -> str:
     if dtype == "auto":
         return "float32" if device == "cpu" else "bfloat16"
     return dtype
-
-
-def check_device_options(device: str, dtype: str, quantization: str, kernels: str) -> None:
-    """ValueError naming the option that cannot run on `device` ("cpu" or "cuda")."""
-    if device not in DEVICE_CHOICES:
-        raise ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)}, got {device!r}")
-    if dtype not in DTYPE_CHOICES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
-    if device == "cpu" and dtype not in ("auto", "float32"):
-        raise ValueError(f"dtype={dtype!r} runs on cuda only; the CPU path computes in float32")
-    if device == "cuda":
-        if quantization not in CUDA_QUANTIZATION:
-            raise ValueError(f"quantization={quantization!r} runs on pagedserve's CPU kernels only; "
-                             f"on cuda use one of {', '.join(CUDA_QUANTIZATION)}")
-        if kernels == "native":
-            raise ValueError("kernels='native' is pagedserve's CPU op library; on cuda use kernels='auto' or 'torch'")
 
 
 def torch_dtype(name: str) -> "torch.dtype":

@@ -13,7 +13,6 @@ and only the accepted tokens plus the target's own are returned.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,8 +39,6 @@ from .draft_model import DraftModelProposer
 from .kv_cache import allocate_kv_caches, copy_blocks, kv_cache_torch_dtype
 from .prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs, plan_prompt_logprobs
 from .row_sampling import RunnerOutput, sample_rows
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -106,8 +103,8 @@ class ModelRunner:
         # self-draft writes its unverified positions there, in the layers it runs.
         num_scratch = kv_plan.num_scratch_blocks if self_layers is not None else 0
         if decode_graphs is not None and speculative is not None and speculative.method != "ngram":
-            logger.info("decode graphs off: a draft model's steps run eagerly beside the target's")
-            decode_graphs = None
+            # A draft model's steps run eagerly beside the target's; EngineConfig.resolve keeps draft models off cuda.
+            raise ValueError("decode graphs cannot run beside a draft model; pass decode_graphs=None")
         # Decode graphs pad their batch with rows in a dummy block past the pool (id num_blocks).
         num_dummy = 1 if decode_graphs is not None else 0
         dtype = kv_cache_torch_dtype(kv_cache_dtype, auto=model_dtype)

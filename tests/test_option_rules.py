@@ -1,0 +1,172 @@
+"""Which options go together: every rule lives in EngineConfig.resolve, which refuses each
+conflicting set with one ValueError naming the options, before anything is loaded; and the
+command line is built from the fields' own metadata, with EngineConfig's defaults."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.config import GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
+DRAFT = {"method": "draft_model", "model": "self:2"}
+KV_TRANSFER = {"kv_role": "kv_producer"}
+INIT = "tcp://127.0.0.1:1"
+
+# (options, the device they resolve on, a caller-loaded model's quantization, the names the error gives)
+CONFLICTS = [
+    (dict(lora_modules=["a=/x"]), "cpu", None, ("lora_modules", "enable_lora")),
+    (dict(enable_lora=True, lora_modules=["a=/x", "b=/y"], max_loras=1), "cpu", None, ("lora_modules", "max_loras")),
+    (dict(node_rank=1), "cpu", None, ("node_rank", "nnodes")),
+    (dict(tensor_parallel_size=3, nnodes=2, distributed_init_method=INIT), "cpu", None,
+     ("tensor_parallel_size", "nnodes")),
+    (dict(tensor_parallel_size=2, nnodes=2), "cpu", None, ("nnodes", "distributed_init_method")),
+    (dict(tensor_parallel_size=2), "cuda", None, ("tensor_parallel_size", "device")),
+    (dict(tensor_parallel_size=2), "cpu", "none", ("tensor_parallel_size", "loaded model")),
+    (dict(tensor_parallel_size=2, speculative_config=NGRAM), "cpu", None, ("tensor_parallel_size", "speculative_config")),
+    (dict(tensor_parallel_size=2, quantization="q8_0"), "cpu", None, ("tensor_parallel_size", "quantization")),
+    (dict(tensor_parallel_size=2, quantization="gguf"), "cpu", None, ("tensor_parallel_size", "quantization")),
+    (dict(tensor_parallel_size=2, kv_transfer_config=KV_TRANSFER), "cpu", None,
+     ("tensor_parallel_size", "kv_transfer_config")),
+    (dict(tensor_parallel_size=2, enable_lora=True), "cpu", None, ("tensor_parallel_size", "enable_lora")),
+    (dict(attention_backend="contiguous"), "cpu", None, ("attention_backend", "kv_layout")),
+    (dict(kv_layout="contiguous", enable_prefix_caching=True), "cpu", None, ("kv_layout", "enable_prefix_caching")),
+    (dict(kv_layout="contiguous"), "cuda", None, ("kv_layout", "device")),
+    (dict(kv_layout="contiguous", tensor_parallel_size=2), "cpu", None, ("kv_layout", "tensor_parallel_size")),
+    (dict(kv_layout="contiguous", kv_transfer_config=KV_TRANSFER), "cpu", None, ("kv_layout", "kv_transfer_config")),
+    (dict(kv_layout="contiguous", speculative_config=DRAFT), "cpu", None, ("kv_layout", "speculative_config")),
+    *[(dict(kernels="torch", quantization=q), "cpu", None, ("kernels", "quantization"))
+      for q in ("q8_0", "q4_0", "q4_1", "gguf")],
+    *[(dict(dtype=d), "cpu", None, ("dtype", "device")) for d in ("bfloat16", "float16")],
+    *[(dict(quantization=q), "cuda", None, ("quantization", "device")) for q in ("q8_0", "q4_0", "q4_1", "gguf")],
+    (dict(kernels="native"), "cuda", None, ("kernels", "device")),
+    *[(dict(attention_backend=b), "cuda", None, ("attention_backend", "device")) for b in ("cpu", "native")],
+    (dict(speculative_config=DRAFT), "cuda", None, ("speculative_config", "device")),
+    (dict(enable_lora=True), "cuda", None, ("enable_lora", "device")),
+    *[(dict(itl_target_ms=100, policy=p), "cpu", None, ("itl_target_ms", "policy")) for p in ("continuous", "static", "naive")],
+    (dict(ttft_target_ms=500, policy="continuous"), "cpu", None, ("ttft_target_ms", "policy")),
+    (dict(itl_target_ms=100, enable_chunked_prefill=False), "cpu", None, ("itl_target_ms", "enable_chunked_prefill")),
+    *[(dict(kv_transfer_config=KV_TRANSFER, policy=p), "cpu", None, ("kv_transfer_config", "policy"))
+      for p in ("static", "naive")],
+    (dict(max_num_seqs=64, max_num_batched_tokens=32), "cpu", None, ("max_num_seqs", "max_num_batched_tokens")),
+    (dict(max_num_seqs=4096, itl_target_ms=100), "cpu", None, ("max_num_seqs", "max_num_batched_tokens")),
+    (dict(max_num_seqs=4096), "cuda", None, ("max_num_seqs", "max_num_batched_tokens")),
+    (dict(device="cpu"), "cuda", None, ("device",)),
+]
+
+
+@pytest.mark.parametrize("options,device,loaded_as,names", CONFLICTS,
+                         ids=[f"{device}-{'-'.join(names)}-{i}" for i, (_, device, _, names) in enumerate(CONFLICTS)])
+def test_every_conflict_is_one_error_from_resolve_naming_the_options(options, device, loaded_as, names):
+    config = EngineConfig(**options)  # each option is valid on its own
+    with pytest.raises(ValueError) as error:
+        config.resolve(device, loaded_as)
+    for name in names:
+        assert name in str(error.value), (name, str(error.value))
+
+
+def test_the_engine_refuses_a_conflict_before_loading_anything(monkeypatch):
+    from pagedserve.engine import llm_engine
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded for a config that cannot run")
+
+    monkeypatch.setattr(llm_engine, "load_model", no_load)
+    with pytest.raises(ValueError, match="chunked prefill"):
+        llm_engine.LLMEngine(EngineConfig(itl_target_ms=100, policy="continuous", device="cpu"))
+
+
+def test_a_runner_built_directly_refuses_decode_graphs_beside_a_draft_model():
+    from pagedserve.core.kv_plan import KVCachePlan
+    from pagedserve.worker.model_runner import ModelRunner
+
+    speculative = EngineConfig(speculative_config=DRAFT).speculative_config
+    with pytest.raises(ValueError, match="decode graphs cannot run beside a draft model"):
+        ModelRunner(None, KVCachePlan(4, 16, 0, 1), 1, 64, speculative=speculative, decode_graphs="eager")
+
+
+def test_resolve_fills_what_follows_from_the_other_options_and_is_idempotent():
+    cpu = EngineConfig(kernels="torch").resolve("cpu")
+    assert (cpu.device, cpu.kernels, cpu.dtype, cpu.quantization, cpu.kv_cache_dtype) == (
+        "cpu", "torch", "float32", "none", "auto")
+    assert cpu.enable_prefix_caching is True and cpu.max_num_batched_tokens is None
+    assert EngineConfig(kernels="torch", kv_layout="contiguous").resolve("cpu").enable_prefix_caching is False
+    cuda = EngineConfig().resolve("cuda")
+    assert (cuda.device, cuda.kernels, cuda.dtype, cuda.quantization) == ("cuda", "torch", "bfloat16", "none")
+    assert cuda.max_num_batched_tokens == GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS and cuda.latency_target() is None
+    # A target, a fixed budget or a policy that never chunks keeps cuda's budget as given.
+    assert EngineConfig(itl_target_ms=50).resolve("cuda").max_num_batched_tokens is None
+    assert EngineConfig(max_num_batched_tokens=512).resolve("cuda").max_num_batched_tokens == 512
+    assert EngineConfig(policy="continuous").resolve("cuda").max_num_batched_tokens is None
+    assert EngineConfig(kernels="torch").resolve("cpu", loaded_as="q8_0").quantization == "q8_0"
+    for config in (cpu, cuda):
+        assert config.resolve(config.device) == config
+
+
+def test_every_flag_is_typed_by_its_field_and_parses_to_the_defaults():
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    assert all(f.metadata["type"] is not None and f.metadata["help"] for f in dataclasses.fields(EngineConfig))
+    assert EngineConfig.from_cli_args(parser.parse_args([])) == EngineConfig()
+    actions = {a.dest: a for a in parser._actions}
+    assert actions["gpu_memory_utilization"].type is float and actions["itl_target_ms"].type is float
+    assert actions["block_size"].type is int and actions["quantization"].choices is not None
+
+
+# (field, its flag and a value, what the field then holds): every field
+ROUND_TRIPS = [
+    ("model", ["--model", "m.gguf"], "m.gguf"),
+    ("block_size", ["--block-size", "32"], 32),
+    ("kv_cache_memory", ["--kv-cache-memory", "2GiB"], 2 << 30),
+    ("max_num_seqs", ["--max-num-seqs", "8"], 8),
+    ("max_num_batched_tokens", ["--max-num-batched-tokens", "512"], 512),
+    ("max_model_len", ["--max-model-len", "1024"], 1024),
+    ("enable_prefix_caching", ["--no-enable-prefix-caching"], False),
+    ("enable_chunked_prefill", ["--no-enable-chunked-prefill"], False),
+    ("long_prefill_token_threshold", ["--long-prefill-token-threshold", "64"], 64),
+    ("scheduling_policy", ["--scheduling-policy", "priority"], "priority"),
+    ("policy", ["--policy", "static"], "static"),
+    ("attention_backend", ["--attention-backend", "reference"], "reference"),
+    ("kernels", ["--kernels", "torch"], "torch"),
+    ("itl_target_ms", ["--itl-target-ms", "42.5"], 42.5),
+    ("ttft_target_ms", ["--ttft-target-ms", "900.5"], 900.5),
+    ("quantization", ["--quantization", "q4_0"], "q4_0"),
+    ("gguf_weights", ["--gguf-weights", "dense"], "dense"),
+    ("kv_cache_dtype", ["--kv-cache-dtype", "fp8_e5m2"], "fp8_e5m2"),
+    ("kv_layout", ["--kv-layout", "contiguous"], "contiguous"),
+    ("device", ["--device", "cuda"], "cuda"),
+    ("dtype", ["--dtype", "float16"], "float16"),
+    ("enforce_eager", ["--enforce-eager"], True),
+    ("max_cudagraph_batch", ["--max-cudagraph-batch", "64"], 64),
+    ("gpu_memory_utilization", ["--gpu-memory-utilization", "0.5"], 0.5),
+    ("num_threads", ["--num-threads", "3"], 3),
+    ("seed", ["--seed", "7"], 7),
+    ("speculative_config", ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+     EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3}).speculative_config),
+    ("tensor_parallel_size", ["--tensor-parallel-size", "2"], 2),
+    ("distributed_init_method", ["--distributed-init-method", "env://"], "env://"),
+    ("nnodes", ["--nnodes", "2"], 2),
+    ("node_rank", ["--node-rank", "1"], 1),
+    ("kv_transfer_config", ["--kv-transfer-config", '{"kv_role": "kv_consumer"}'],
+     EngineConfig(kv_transfer_config={"kv_role": "kv_consumer"}).kv_transfer_config),
+    ("enable_lora", ["--enable-lora"], True),
+    ("lora_modules", ["--lora-modules", "a=/x", "b=/y"], {"a": "/x", "b": "/y"}),
+    ("max_loras", ["--max-loras", "2"], 2),
+    ("max_lora_rank", ["--max-lora-rank", "8"], 8),
+]
+
+
+@pytest.mark.parametrize("name,flags,value", ROUND_TRIPS)
+def test_every_field_round_trips_through_its_flag(name, flags, value):
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    config = EngineConfig.from_cli_args(parser.parse_args(flags))
+    assert getattr(config, name) == value and type(getattr(config, name)) is type(value)
+    assert dataclasses.replace(config, **{name: getattr(EngineConfig(), name)}) == EngineConfig()
+
+
+def test_the_round_trip_table_names_every_field():
+    assert [name for name, _, _ in ROUND_TRIPS] == [f.name for f in dataclasses.fields(EngineConfig)]
