@@ -43,7 +43,7 @@ def parse_memory(value: str | int | float) -> int:
             return int(float(s[: -len(unit)]) * mult)
     return int(float(s))
 
-# "auto" is the engine's own choice (engine/placement.py); load_model takes the rest.
+# "auto" is resolved by EngineConfig.resolve; load_model takes the rest.
 ENGINE_QUANTIZATION = ("auto", *QUANTIZATION_CHOICES)
 
 
