@@ -169,6 +169,24 @@ def test_round_robin_splits(cluster):
     assert [routed(router, a) - before[0], routed(router, b) - before[1]] == [4, 4]
 
 
+def test_anthropic_messages_pass_through_the_router(cluster):
+    """/v1/messages through the router: the replica's message, its event stream and its
+    errors, all in Anthropic's shape, the same as from the replica itself."""
+    router, a = cluster["round_robin"], cluster["a"]
+    body = {"max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": "Name a colour."}]}
+    direct = httpx.post(a.url + "/v1/messages", json=body, timeout=60).json()
+    via = httpx.post(router.url + "/v1/messages", json=body, timeout=60).json()
+    assert via["type"] == "message" and via["content"] == direct["content"] and via["usage"] == direct["usage"]
+    with httpx.stream("POST", router.url + "/v1/messages", json={**body, "stream": True}, timeout=60) as r:
+        events = [line[7:] for line in r.iter_lines() if line.startswith("event: ")]
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+    counted = httpx.post(router.url + "/v1/messages/count_tokens", json={"messages": body["messages"]}, timeout=60)
+    assert counted.status_code == 200 and counted.json()["input_tokens"] == direct["usage"]["input_tokens"]
+    bad = httpx.post(router.url + "/v1/messages", json={"messages": body["messages"]}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["type"] == "error"
+    assert bad.json()["error"]["type"] == "invalid_request_error"
+
+
 def test_least_load_sends_around_a_busy_replica(cluster):
     a, b, router = cluster["a"], cluster["b"], cluster["least_load"]
     before = [routed(router, a), routed(router, b)]

@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import pytest
 
-from pagedserve.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessagesRequest
+from pagedserve.http.anthropic_bodies import CountTokensRequest, MessagesRequest
 from pagedserve.http.errors import ANTHROPIC_PATHS
 from pagedserve.http.openapi import REQUEST_MODELS
 from pagedserve.http.openai_bodies import MAX_STOP_STRINGS

@@ -19,6 +19,11 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def named_sse(payload: dict[str, Any]) -> str:
+    """One server-sent event named by its payload's type, as Anthropic's stream is."""
+    return f"event: {payload['type']}\n{sse(payload)}"
+
+
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T | Response:
     """`work`'s result, or a 499 no one will read if the client leaves first."""
     result = await unless_disconnected(request, work)

@@ -22,8 +22,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
-from ..http.disconnect import sse, until_disconnected
-from ..http.errors import APIError, install_error_handlers
+from ..http.disconnect import named_sse, sse, until_disconnected
+from ..http.errors import ANTHROPIC_PATHS, APIError, install_error_handlers
 from ..http.json_body import validation_error
 from ..http.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from .backends import Backend, BackendMonitor
@@ -36,7 +36,7 @@ logger = logging.getLogger("pagedserve.router")
 
 # Routes whose prompt the router hashes for cache_aware; the others go by load.
 KEYED_ROUTES = ("/v1/completions", "/v1/chat/completions")
-PROXIED_ROUTES = (*KEYED_ROUTES, "/v1/responses", "/tokenize", "/detokenize")
+PROXIED_ROUTES = (*KEYED_ROUTES, "/v1/responses", *sorted(ANTHROPIC_PATHS), "/tokenize", "/detokenize")
 # Request headers passed on to a replica (hop-by-hop ones and the router's own key are not).
 _FORWARDED_HEADERS = ("content-type", "accept", "x-request-id")
 _RESPONSE_HEADERS = ("content-type", "x-request-id", "retry-after")
@@ -143,7 +143,7 @@ class Router:
                     continue
                 if reply.content_type == "text/event-stream":
                     handed_over = True
-                    return StreamingResponse(self._stream(backend, reply), status_code=reply.status,
+                    return StreamingResponse(self._stream(backend, reply, path), status_code=reply.status,
                                              headers=_reply_headers(reply))
                 result = await until_disconnected(request, self._read(reply))
                 return result
@@ -163,7 +163,7 @@ class Router:
             raise
         return Response(content, status_code=reply.status, headers=_reply_headers(reply))
 
-    async def _stream(self, backend: Backend, reply: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    async def _stream(self, backend: Backend, reply: aiohttp.ClientResponse, path: str) -> AsyncIterator[bytes]:
         finished = False
         try:
             async for chunk in reply.content.iter_any():
@@ -172,7 +172,10 @@ class Router:
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
             backend.num_errors += 1
             backend.mark_down(f"{type(e).__name__}: {e}")
-            yield sse(APIError(502, "the backend replica failed mid-stream", code="backend_failed").body()).encode()
+            error = APIError(502, "the backend replica failed mid-stream", code="backend_failed")
+            # In the stream's own framing: Anthropic's named error event on its routes.
+            event = named_sse(error.anthropic_body()) if path in ANTHROPIC_PATHS else sse(error.body())
+            yield event.encode()
         finally:
             backend.in_flight -= 1
             if finished:

@@ -12,15 +12,20 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel
 
+from ..http.anthropic_bodies import STREAM_EVENTS, AnthropicErrorResponse, CountTokensRequest, \
+    CountTokensResponse, Message, MessagesRequest
+from ..http.errors import ANTHROPIC_PATHS
 from ..http.openai_bodies import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest, \
     TokenizeRequest
 from ..http.openapi import ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse, \
-    DetokenizeResponse, ErrorResponse, ModelList, TokenizeResponse, body_responses, build_openapi, \
-    generation_responses, get_responses, request_body, responses_api_responses
+    DetokenizeResponse, ErrorResponse, ModelList, TokenizeResponse, anthropic_responses, body_responses, \
+    build_openapi, generation_responses, get_responses, request_body, responses_api_responses
 
 Responses = dict[int | str, dict[str, Any]]
 
 _NO_REPLICA = {503: {"model": ErrorResponse, "description": "No replica could take the request."}}
+# Anthropic's routes answer the router's own errors in Anthropic's shape too (http/errors.py).
+_NO_REPLICA_ANTHROPIC = {503: {"model": AnthropicErrorResponse, "description": "No replica could take the request."}}
 # Each POST route a router can proxy: the model a replica parses its body with, and what a replica answers.
 _POST_ROUTES: dict[str, tuple[type[BaseModel], Responses]] = {
     "/v1/completions": (CompletionRequest, generation_responses(CompletionResponse, CompletionChunk)),
@@ -28,6 +33,8 @@ _POST_ROUTES: dict[str, tuple[type[BaseModel], Responses]] = {
     "/v1/responses": (ResponsesRequest, responses_api_responses()),
     "/tokenize": (TokenizeRequest, body_responses(TokenizeResponse)),
     "/detokenize": (DetokenizeRequest, body_responses(DetokenizeResponse)),
+    "/v1/messages": (MessagesRequest, anthropic_responses(Message, AnthropicErrorResponse, STREAM_EVENTS)),
+    "/v1/messages/count_tokens": (CountTokensRequest, anthropic_responses(CountTokensResponse, AnthropicErrorResponse)),
 }
 MODELS_RESPONSES: Responses = {**get_responses(ModelList), **_NO_REPLICA}
 METRICS_RESPONSES: Responses = get_responses(description="The router's own metrics, Prometheus text format.")
@@ -36,7 +43,8 @@ METRICS_RESPONSES: Responses = get_responses(description="The router's own metri
 def proxied_post(path: str) -> dict[str, Any]:
     """`add_api_route` keywords documenting a POST route the router proxies to a replica."""
     model, responses = _POST_ROUTES[path]
-    return {"methods": ["POST"], "openapi_extra": request_body(model), "responses": {**responses, **_NO_REPLICA}}
+    no_replica = _NO_REPLICA_ANTHROPIC if path in ANTHROPIC_PATHS else _NO_REPLICA
+    return {"methods": ["POST"], "openapi_extra": request_body(model), "responses": {**responses, **no_replica}}
 
 
 def health_responses(serving: str) -> Responses:
@@ -45,5 +53,5 @@ def health_responses(serving: str) -> Responses:
 
 def serve_document(app: FastAPI) -> None:
     """Serve the document of the routes added so far (built once: the routes are fixed)."""
-    document = build_openapi(app, (ResponsesRequest,))
+    document = build_openapi(app, (ResponsesRequest, MessagesRequest, CountTokensRequest))
     app.openapi = lambda: document  # type: ignore[method-assign]

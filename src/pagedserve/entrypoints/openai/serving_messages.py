@@ -21,7 +21,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ...engine.async_engine import EngineDeadError, RequestStream
-from ...http.disconnect import until_disconnected
+from ...http.anthropic_bodies import STREAM_EVENTS, AnthropicErrorResponse, ContentBlockParam, CountTokensRequest, \
+    CountTokensResponse, Message, MessagesPrompt, MessagesRequest, OutputConfig, TextBlockParam, ToolChoice, \
+    ToolChoiceAny, ToolChoiceNone, ToolChoiceTool, ToolParam, ToolResultBlockParam, ToolUseBlockParam
+from ...http.disconnect import named_sse, until_disconnected
 from ...http.errors import APIError
 from ...http.json_body import StrictModel, parse_body, validation_error
 from ...http.openai_bodies import ChatCompletionRequest
@@ -29,17 +32,12 @@ from ...http.openapi import anthropic_responses, request_body
 from ...http.tool_parsers import ToolCallDelta
 from ...http.tools import ToolPlan, template_messages
 from ...sampling_params import SamplingParams
-from .protocol_anthropic import AnthropicErrorResponse, ContentBlockParam, CountTokensRequest, CountTokensResponse, \
-    Message, MessagesPrompt, MessagesRequest, OutputConfig, TextBlockParam, ToolChoice, ToolChoiceAny, \
-    ToolChoiceNone, ToolChoiceTool, ToolParam, ToolResultBlockParam, ToolUseBlockParam
 from .routes import ServerParts
 from .serving import ChoiceTracker, SSEResponse, collect, engine_error
 from .serving_chat import ChatServing
 
 # Chat's field names in the errors found on the chat side -> the Messages fields they stand for.
 _FIELD_NAMES = {".function.parameters": ".input_schema", "response_format": "output_config.format"}
-STREAM_EVENTS = ("message_start", "content_block_start", "content_block_delta", "content_block_stop",
-                 "message_delta", "message_stop", "error")
 
 
 def messages_routes(app: FastAPI, parts: ServerParts) -> list[type[StrictModel]]:
@@ -111,7 +109,7 @@ class MessagesServing(ChatServing):
     async def _events(self, stream: RequestStream, tracker: ChoiceTracker, envelope: dict[str, Any],
                       plan: ToolPlan) -> AsyncIterator[str]:
         usage = {"input_tokens": tracker.num_prompt_tokens, "output_tokens": 0}
-        yield _event({"type": "message_start", "message": {**envelope, "content": [], "stop_reason": None,
+        yield named_sse({"type": "message_start", "message": {**envelope, "content": [], "stop_reason": None,
                                                             "stop_sequence": None, "usage": usage}})
         blocks = _StreamedBlocks()
         parser = plan.parser.stream() if plan.parser is not None else None
@@ -127,16 +125,16 @@ class MessagesServing(ChatServing):
                     if out:
                         yield "".join(out)
         except EngineDeadError as e:
-            yield _event(engine_error(e).anthropic_body())
+            yield named_sse(engine_error(e).anthropic_body())
             return
         try:
             stop = _stop(choice.finish_reason, choice.stop_reason, parser is not None and parser.num_calls > 0)
         except APIError as e:
-            yield _event(e.anthropic_body())
+            yield named_sse(e.anthropic_body())
             return
         yield "".join([*blocks.close(),
-                       _event({"type": "message_delta", "delta": stop, "usage": {"output_tokens": choice.num_tokens}}),
-                       _event({"type": "message_stop"})])
+                       named_sse({"type": "message_delta", "delta": stop, "usage": {"output_tokens": choice.num_tokens}}),
+                       named_sse({"type": "message_stop"})])
 
 
 def chat_request(req: MessagesPrompt, sampling: dict[str, Any]) -> ChatCompletionRequest:
@@ -281,11 +279,6 @@ def _stop(finish_reason: str | None, stop_reason: int | str | None, called: bool
     return {"stop_reason": reason, "stop_sequence": stop_reason if reason == "stop_sequence" else None}
 
 
-def _event(data: dict[str, Any]) -> str:
-    """One server-sent event, named by its data's type as Anthropic's stream is."""
-    return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
 class _StreamedBlocks:
     """Opens, fills and closes content blocks as text and call pieces arrive: a text
     block while text comes, a tool_use block per call."""
@@ -314,14 +307,14 @@ class _StreamedBlocks:
         if self._open is None:
             return []
         self._open = None
-        return [_event({"type": "content_block_stop", "index": self._count - 1})]
+        return [named_sse({"type": "content_block_stop", "index": self._count - 1})]
 
     def _start(self, block: dict[str, Any]) -> list[str]:
         out = self.close()
-        out.append(_event({"type": "content_block_start", "index": self._count, "content_block": block}))
+        out.append(named_sse({"type": "content_block_start", "index": self._count, "content_block": block}))
         self._open = block["type"]
         self._count += 1
         return out
 
     def _delta(self, delta: dict[str, Any]) -> str:
-        return _event({"type": "content_block_delta", "index": self._count - 1, "delta": delta})
+        return named_sse({"type": "content_block_delta", "index": self._count - 1, "delta": delta})

@@ -1,11 +1,12 @@
 """Anthropic's Messages API wire format: the request bodies of POST /v1/messages and
 /v1/messages/count_tokens, and the shapes of what they answer (for the OpenAPI document).
 
-As in protocol.py, the request models are strict, ignore unknown fields (`metadata`,
+As the OpenAI bodies (openai_bodies.py), the request models are strict, ignore unknown fields (`metadata`,
 `cache_control`, `anthropic-beta` features) and carry Anthropic's bounds, so they
 double as the published schema. What pydantic cannot check (the order of turns, which
 tool_use a tool_result answers) is checked when the request becomes a chat request
-(serving_messages.py).
+(entrypoints/openai/serving_messages.py). Here, below both the server and the routers,
+so a router documents and proxies the routes with the server's models.
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from ...http.json_body import StrictModel
-from ...http.openai_bodies import StopStrings
+from .json_body import StrictModel
+from .openai_bodies import StopStrings
 
 _Id = Annotated[str, Field(min_length=1)]
 _DisableParallel = Annotated[bool, Field(description="At most one tool_use block in the reply.")]
@@ -169,3 +170,8 @@ class AnthropicErrorResponse(BaseModel):
 
     type: Literal["error"]
     error: AnthropicErrorDetail
+
+
+# The event names of a streamed message, in Anthropic's order (and an error event).
+STREAM_EVENTS = ("message_start", "content_block_start", "content_block_delta", "content_block_stop",
+                 "message_delta", "message_stop", "error")
