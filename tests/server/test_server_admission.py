@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import anthropic
 import httpx
 import pytest
 
@@ -59,7 +60,6 @@ def test_engine_rejection_is_a_400_and_queues_nothing(small_queue_server):
 
 
 def test_overload_on_the_messages_route_is_anthropics_rate_limit_error(small_queue_server):
-    anthropic = pytest.importorskip("anthropic")
     claude = anthropic.AsyncAnthropic(base_url=small_queue_server.url, api_key="unused", max_retries=0, timeout=120)
     hi = {"model": "SmolLM2-135M-Instruct", "max_tokens": 12, "messages": [{"role": "user", "content": "Count."}]}
 

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from http.client import HTTPConnection
 
+import anthropic
 import httpx
+import openai
 import pytest
 
 from .server_process import start_server
@@ -59,7 +61,6 @@ def test_protected_paths_need_the_key(keyed_server, method, path, auth):
 
 
 def test_the_key_opens_the_api(keyed_server):
-    openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key=KEY, max_retries=0)
     r = client.completions.create(model=client.models.list().data[0].id, prompt="hi", max_tokens=2)
     assert r.choices[0].text is not None
@@ -70,7 +71,6 @@ def test_the_key_opens_the_api(keyed_server):
 
 
 def test_anthropic_clients_send_the_key_as_x_api_key(keyed_server):
-    anthropic = pytest.importorskip("anthropic")
     model = httpx.get(keyed_server.url + "/v1/models", headers={"x-api-key": KEY}).json()["data"][0]["id"]
     # The client also sends anthropic-version, which the server accepts.
     claude = anthropic.Anthropic(base_url=keyed_server.url, api_key=KEY, max_retries=0)
