@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pagedserve.core import CacheConfig, Request, RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
+from pagedserve.core.kv_connector import KVConnectorScheduler
 
 _MOD = (1 << 61) - 1
 _SEED = 0x5EED
@@ -187,10 +188,12 @@ class Driver:
         return steps
 
 
-def make_scheduler(num_blocks: int = 64, block_size: int = 4, enable_prefix_caching: bool = True, **config) -> Scheduler:
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, enable_prefix_caching: bool = True,
+                   kv_connector: KVConnectorScheduler | None = None, **config) -> Scheduler:
     config.setdefault("max_num_batched_tokens", 64)
     config.setdefault("max_num_seqs", min(16, config["max_num_batched_tokens"]))
-    return Scheduler(SchedulerConfig(**config), CacheConfig(num_blocks, block_size, enable_prefix_caching))
+    return Scheduler(SchedulerConfig(**config), CacheConfig(num_blocks, block_size, enable_prefix_caching),
+                     kv_connector=kv_connector)
 
 
 def true_continuation(request: Request, k: int, vocab_size: int = 1000) -> list[int]:

@@ -19,10 +19,9 @@ BS = 4
 
 
 def pd_scheduler(role: str, policy: str = "recompute", num_blocks: int = 64) -> Scheduler:
-    sched = make_scheduler(num_blocks=num_blocks, block_size=BS)
     config = KVTransferConfig(kv_role=role, kv_load_failure_policy=policy)
-    sched.connector = PagedServeConnectorScheduler(config, BS, f"engine-{role}", "127.0.0.1", 1)
-    return sched
+    connector = PagedServeConnectorScheduler(config, BS, f"engine-{role}", "127.0.0.1", 1)
+    return make_scheduler(num_blocks=num_blocks, block_size=BS, kv_connector=connector)
 
 
 class Pair:
@@ -109,7 +108,7 @@ PROMPT = list(range(100, 118))  # 18 tokens: 17 to load, 5 blocks of 4
 def test_decode_loads_the_prefill_and_matches_the_reference():
     pair = Pair()
     params = pair.prefill("p", PROMPT)
-    assert params["remote_block_ids"] == list(pair.prod.kv_cache.block_ids(pair.prod._held["p"]))
+    assert params["remote_block_ids"] == list(pair.prod.kv_cache.block_ids(pair.prod.transfers.held["p"]))
     assert params["num_tokens"] == len(PROMPT) and params["token_digest"] == token_digest(PROMPT, None)
     assert pair.prod.kv_cache.num_free_blocks == 64 - 5  # held for the consumer
     req = decode_request("d", PROMPT, params)

@@ -41,6 +41,7 @@ from .policies import make_policy
 from .request import CHILD_ID_SEPARATOR, Request, RequestStatus
 from .request_queue import make_waiting_queue
 from .step_budget import StepBudget
+from .transfer_hooks import LoadOutcome, NoTransfers, TransferHooks
 
 # The aging rule of priority preemption (_preempt_for_priority).
 MAX_PRIORITY_PREEMPTIONS = 1
@@ -117,7 +118,8 @@ class Scheduler:
         # For callers that build a scheduler directly: the engine's options met these rules in EngineConfig.resolve.
         if kv_connector is not None and scheduler_config.policy not in ("chunked", "continuous"):
             raise ValueError(f"a KV connector needs policy 'chunked' or 'continuous', got {scheduler_config.policy!r}")
-        self.connector = kv_connector
+        self.transfers: NoTransfers | TransferHooks = (
+            TransferHooks(kv_connector) if kv_connector is not None else NoTransfers())
         if step_budget is not None and not scheduler_config.chunked_prefill:
             raise ValueError("a latency target needs chunked prefill (policy 'chunked', enable_chunked_prefill)")
         if step_budget is not None and step_budget.cap > scheduler_config.max_num_batched_tokens:
@@ -144,11 +146,6 @@ class Scheduler:
         self._truncated: set[str] = set()
         self._children: dict[str, list[Request]] = {}
         self._released_ids: list[str] = []
-        # KV connector: requests whose blocks are being loaded (status LOADING, or
-        # finished while loading: their blocks stay until the load stops writing them),
-        # and finished requests whose blocks the connector holds for a remote reader.
-        self._loading: dict[str, Request] = {}
-        self._held: dict[str, Request] = {}
 
     # -- requests in -----------------------------------------------------------------
 
@@ -177,10 +174,7 @@ class Scheduler:
         if problem is not None:
             raise ValueError(f"request {rid}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
                              f"({request.max_tokens}) = {total} tokens {problem}")
-        if self.connector is not None:
-            self.connector.validate_request(request)
-        elif request.kv_transfer_params is not None:
-            raise ValueError("kv_transfer_params needs a KV connector (--kv-transfer-config)")
+        self.transfers.validate(request)
         self.requests[rid] = request
         self.waiting.add(request)
 
@@ -198,7 +192,7 @@ class Scheduler:
                 self._schedule_waiting(step)
         self.policy.end_step()
         released, self._released_ids = self._released_ids, []
-        return step.build(released, self.connector.build_connector_meta() if self.connector is not None else None)
+        return step.build(released, self.transfers.metadata())
 
     def _budget(self) -> int:
         if self.step_budget is None:
@@ -322,18 +316,17 @@ class Scheduler:
             if req is None or self._seats + req.num_seats > max_seats:
                 return
             hit = self.kv_cache.find_prefix_hit(req)
-            if self.connector is not None:
-                num_external, _ = self.connector.get_num_new_matched_tokens(req, hit.num_tokens)
-                if num_external is None:
+            num_external = self.transfers.external_tokens(req, hit.num_tokens)
+            if num_external is None:
+                return
+            if num_external:
+                # The load costs no compute budget: the request waits for it holding its blocks.
+                alloc = (self.kv_cache.allocate_slots(req, num_external, hit)
+                         or self._make_room(req, num_external, step, hit, may_preempt=False))
+                if alloc is None:
                     return
-                if num_external:
-                    # The load costs no compute budget: the request waits for it holding its blocks.
-                    alloc = (self.kv_cache.allocate_slots(req, num_external, hit)
-                             or self._make_room(req, num_external, step, hit, may_preempt=False))
-                    if alloc is None:
-                        return
-                    self._start_loading(req, hit, num_external)
-                    continue
+                self._start_loading(req, hit, num_external)
+                continue
             n = prefill_tokens(req.num_tokens - hit.num_tokens, step.budget, step.is_empty)
             if n == 0:
                 return
@@ -363,42 +356,35 @@ class Scheduler:
             req.num_cached_tokens = hit.num_tokens
         self._seats += req.num_seats
         req.num_computed_tokens = hit.num_tokens
-        self._loading[req.request_id] = req
-        self.connector.update_state_after_alloc(req, self.kv_cache.block_ids(req), num_external)
+        self.transfers.start_loading(req, self.kv_cache.block_ids(req), num_external)
 
     def update_connector_output(self, output: KVConnectorOutput) -> list[RequestUpdate]:
         """Apply what the connector's worker half reported after a step: free blocks it no
         longer serves, start requests whose load finished, and handle failed loads
         (kv_load_failure_policy: recompute the prompt, or fail the request). Returns the
         updates of requests that failed."""
-        for rid in output.finished_sending:
-            req = self._held.pop(rid, None)
-            if req is not None:
-                self.connector.on_finished_sending(rid)
-                self.kv_cache.free(req)
+        freed, outcomes = self.transfers.worker_report(output)
+        for req in freed:
+            self.kv_cache.free(req)
         updates = []
-        for rid in (*output.finished_recving, *output.failed_recving):
-            req = self._loading.pop(rid, None)
-            if req is None:
-                continue
-            self.connector.load_finished(rid)
-            if req.status is not LOADING:  # it ended while the load was writing its blocks
+        for req, outcome in outcomes:
+            if outcome is LoadOutcome.ENDED:  # it ended while the load was writing its blocks
                 self._release(req)
                 continue
-            if rid in output.finished_recving:
-                req.num_computed_tokens = req.num_prompt_tokens - 1
-                self.kv_cache.cache_blocks(req, req.num_computed_tokens)
-            elif self.connector.config.kv_load_failure_policy == "fail":
+            if outcome is LoadOutcome.FAIL:
                 req.status = ABORTED
                 self._seats -= req.num_seats
                 self._release(req)
                 updates.append(RequestUpdate(req, [], ABORTED))
                 continue
+            if outcome is LoadOutcome.LOADED:
+                req.num_computed_tokens = req.num_prompt_tokens - 1
+                self.kv_cache.cache_blocks(req, req.num_computed_tokens)
             # It runs from its computed tokens: the prompt's last one after a load, the
             # local prefix hit after a failed one (whose blocks are then written again).
             req.status = RUNNING
             self.running.append(req)
-            self._unsynced.add(rid)
+            self._unsynced.add(req.request_id)
             self.policy.on_admitted(req)
         return updates
 
@@ -638,13 +624,7 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         rid = req.request_id
-        if self.connector is not None:
-            delay_free, req.kv_transfer_result = self.connector.request_finished(req, self.kv_cache.block_ids(req))
-            if delay_free:
-                self._held[rid] = req
-            else:
-                self.kv_cache.free(req)
-        else:
+        if not self.transfers.release(req, self.kv_cache.block_ids(req)):
             self.kv_cache.free(req)
         self._unsynced.discard(rid)
         self._truncated.discard(rid)
@@ -658,11 +638,11 @@ class Scheduler:
     # -- introspection -------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.padding or len(self.waiting) or self._loading)
+        return bool(self.running or self.padding or len(self.waiting) or self.transfers.loading)
 
     def has_connector_work(self) -> bool:
         """Transfers the engine must keep stepping for, though nothing may be computing."""
-        return self.connector is not None and self.connector.has_pending_work()
+        return self.transfers.has_pending_work()
 
     def has_pending_prefills(self) -> bool:
         """Whether any prompt, waiting or running, still has tokens to compute."""
@@ -676,7 +656,7 @@ class Scheduler:
             kv_usage=kv.usage,
             kv_waste=kv.waste(),
             num_running=len(self.running),
-            num_waiting=len(self.waiting) + len(self._loading),
+            num_waiting=len(self.waiting) + len(self.transfers.loading),
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
@@ -686,7 +666,7 @@ class Scheduler:
         """Raise AssertionError if block accounting or request bookkeeping is off."""
         self.kv_cache.check_invariants()
         seats = (sum(r.num_seats for r in self.running) + len(self.padding)
-                 + sum(r.num_seats for r in self._loading.values() if r.status is LOADING))
+                 + sum(r.num_seats for r in self.transfers.loading.values() if r.status is LOADING))
         if seats != self._seats or seats > self.config.max_num_seqs:
             raise AssertionError(f"seats: counted {self._seats}, rows hold {seats}, max {self.config.max_num_seqs}")
         for r in self.running:
@@ -696,18 +676,13 @@ class Scheduler:
         for r in self.padding.values():
             if not r.is_finished or not self.kv_cache.has_blocks(r):
                 raise AssertionError(f"padding row {r.request_id} must be finished and hold blocks")
-        for r in self._loading.values():
-            if not self.kv_cache.has_blocks(r):
-                raise AssertionError(f"loading request {r.request_id} holds no blocks")
-        for rid, r in self._held.items():
-            if not r.is_finished or not self.kv_cache.has_blocks(r) or rid in self.requests:
-                raise AssertionError(f"held request {rid} must be finished, released and hold blocks")
+        self.transfers.check_invariants(self.kv_cache.has_blocks, self.requests)
         for r in self.waiting:
             if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED) or r.num_computed_tokens:
                 raise AssertionError(f"waiting request {r.request_id} is {r.status.name}")
             if self.kv_cache.has_blocks(r):
                 raise AssertionError(f"waiting request {r.request_id} holds blocks")
         live = ({r.request_id for r in self.running} | set(self.padding) | {r.request_id for r in self.waiting}
-                | set(self._loading))
+                | set(self.transfers.loading))
         if live != set(self.requests):
             raise AssertionError(f"requests {sorted(live ^ set(self.requests))} are lost or duplicated")

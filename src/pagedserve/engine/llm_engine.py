@@ -509,10 +509,10 @@ class LLMEngine:
 
     def engine_stats(self) -> EngineStats:
         spec = self.spec_stats
-        connector = self.scheduler.connector
+        transfers = self.scheduler.transfers.stats()
         return EngineStats(self.scheduler.stats(), self.kernels,
                            replace(spec, accepted_per_pos=list(spec.accepted_per_pos)) if spec is not None else None,
-                           {**connector.stats(), **self.kv_connector.stats()} if connector is not None else None)
+                           {**transfers, **self.kv_connector.stats()} if transfers is not None else None)
 
     def stats(self) -> dict:
         return self.engine_stats().as_dict()
