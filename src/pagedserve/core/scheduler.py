@@ -215,6 +215,13 @@ class Scheduler:
                         sum(r.max_tokens for r in self.running) / len(self.running))
         return self.step_budget.budget(rows, context, prefill_context or 0, demand, expected)
 
+    def observe_step_time(self, output: SchedulerOutput, seconds: float) -> None:
+        """How long the step `output` took to run: a latency target learns from it (its
+        other input, finished requests' lengths, the scheduler feeds itself)."""
+        if self.step_budget is not None and output.scheduled:
+            self.step_budget.observe([(r.num_new_tokens, r.start) for r in output.scheduled],
+                                     sum(r.num_samples for r in output.scheduled), seconds)
+
     def _wants_prefill_step(self) -> bool:
         """Whole-prompt policies: is the next prompt too long to sit beside the decodes?"""
         if self.policy.prefill.chunks or not (self.running or self.padding):

@@ -363,10 +363,7 @@ class LLMEngine:
                 # Only transfers in flight: sleep until one ends instead of spinning.
                 self.kv_connector.wait_for_activity(_TRANSFER_POLL_SECONDS)
             updates += self.scheduler.update_connector_output(self.kv_connector.get_finished())
-        budget = self.scheduler.step_budget
-        if budget is not None and sched.scheduled:
-            budget.observe([(r.num_new_tokens, r.start) for r in sched.scheduled],
-                           sum(r.num_samples for r in sched.scheduled), time.perf_counter() - started)
+        self.scheduler.observe_step_time(sched, time.perf_counter() - started)
         now = time.monotonic()
         if self.spec_stats is not None:
             for row in sched.scheduled:

@@ -178,9 +178,7 @@ def simulate(requests: Sequence[BenchRequest], cost: CostModel, config: SimConfi
         seconds = cost.step_seconds(out)
         if spread:
             seconds *= spread[spread_rng.randrange(len(spread))]
-        if sched.step_budget is not None:
-            sched.step_budget.observe([(r.num_new_tokens, r.start) for r in out.scheduled],
-                                      sum(r.num_samples for r in out.scheduled), seconds)
+        sched.observe_step_time(out, seconds)
         stats = sched.stats()
         steps.append(StepRecord(t, seconds, prefill, decode, padding, stats.kv_usage, stats.kv_waste,
                                 stats.num_waiting))
