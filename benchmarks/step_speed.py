@@ -146,7 +146,7 @@ def paired_run(args: argparse.Namespace) -> dict:
     the median decode step and its share outside the forward, then one LLM.generate."""
     from pagedserve import LLM
 
-    llm = LLM(max_num_batched_tokens=args.decode_seqs * args.context, kv_cache_memory=1 << 30,
+    llm = LLM(max_num_batched_tokens=max(args.prefill_len, args.decode_seqs * args.context), kv_cache_memory=1 << 30,
               enable_prefix_caching=False, kernels=args.kernels)
     engine = llm.engine
     start_decoding(engine, args.decode_seqs, args.context, args.steps + 2)
@@ -174,13 +174,16 @@ def paired(args: argparse.Namespace) -> None:
     """Old (--baseline-src) and new (this checkout) in alternating subprocesses; new/old ratios."""
     sides = {"old": str(Path(args.baseline_src).resolve()), "new": str(_SRC)}
     worker = [sys.executable, __file__, "--paired-worker", "--decode-seqs", str(args.decode_seqs),
-              "--context", str(args.context), "--steps", str(args.steps), "--kernels", args.kernels]
+              "--context", str(args.context), "--steps", str(args.steps), "--prefill-len", str(args.prefill_len),
+              "--kernels", args.kernels]
     runs: dict[str, list[dict]] = {"old": [], "new": []}
     for r in range(args.rounds):
         for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
             env = {**os.environ, "PYTHONPATH": sides[name]}
-            out = subprocess.run(worker, env=env, check=True, capture_output=True, text=True).stdout
-            result = json.loads(out.strip().splitlines()[-1])
+            done = subprocess.run(worker, env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"the {name} run failed:\n{done.stderr[-3000:]}")
+            result = json.loads(done.stdout.strip().splitlines()[-1])
             if Path(result["src"]).resolve() != Path(sides[name]):
                 raise RuntimeError(f"the {name} run imported pagedserve from {result['src']}, not {sides[name]}")
             runs[name].append(result)
