@@ -38,8 +38,8 @@ def run(engine: LLMEngine, prompts: list[list[int]], loras: list[str | None], ma
         engine.add_request(ids, params, lora_name=lora)
     produced = 0
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            produced += len(out.outputs[0].delta_token_ids)
+        for delta in engine.step():
+            produced += sum(len(s.token_ids) for s in delta.samples)
     return produced / (time.perf_counter() - start)
 
 

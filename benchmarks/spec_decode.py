@@ -51,8 +51,8 @@ def run(loaded, prompts: list[str], concurrency: int, max_tokens: int, spec: dic
     while pending or engine.has_unfinished_requests():
         while pending and len(engine.scheduler.running) + len(engine.scheduler.waiting) < concurrency:
             engine.add_request(pending.pop(0), params)
-        for out in engine.step():
-            produced += len(out.outputs[0].delta_token_ids)
+        for delta in engine.step():
+            produced += sum(len(s.token_ids) for s in delta.samples)
     elapsed = time.perf_counter() - start
     stats = engine.stats()
     return {"tok_s": produced / elapsed, "acceptance": stats.get("spec_acceptance_rate"),

@@ -12,11 +12,26 @@ sampled row (the logits), plus attention (4 x layers x heads x head_dim x contex
 per query token). Overhead = step time minus time inside the model's forward.
 
     .venv/bin/python benchmarks/step_speed.py [--decode-seqs 32] [--context 256] [--kernels native,torch,native:gguf]
+
+Paired before/after (--baseline-src OLD/src): the same workload in fresh subprocesses, one
+importing pagedserve from OLD/src and one from this checkout's src, in turn for --rounds
+rounds (the order alternating), so load from other processes reaches both alike. Each run
+reports its median decode step, the part of it outside the model's forward (where the
+engine's own per-step work shows) and one LLM.generate over the same prompts with n=2;
+the summary is the median of the per-round new/old ratios.
+
+    .venv/bin/python benchmarks/step_speed.py --baseline-src /tmp/base/src [--rounds 5] [--decode-seqs 32]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -24,6 +39,8 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sim.twin import best_seconds, measure_matmul_flops
+
+_SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def gemv_gbps(rows: int = 8192, cols: int = 8192) -> float:
@@ -124,12 +141,71 @@ def measure_prefill(engine: LLMEngine, length: int, reps: int) -> dict:
     return {"step_s": best, "gflops": step_flops(engine, length, [length // 2] * length, 1) / best / 1e9}
 
 
+def paired_run(args: argparse.Namespace) -> dict:
+    """One side of a paired comparison, in this process (whichever pagedserve it imports):
+    the median decode step and its share outside the forward, then one LLM.generate."""
+    from pagedserve import LLM
+
+    llm = LLM(max_num_batched_tokens=max(args.prefill_len, args.decode_seqs * args.context), kv_cache_memory=1 << 30,
+              enable_prefix_caching=False, kernels=args.kernels)
+    engine = llm.engine
+    start_decoding(engine, args.decode_seqs, args.context, args.steps + 2)
+    timer = ForwardTimer(engine)
+    taken = []
+    for _ in range(args.steps):
+        before, t = timer.elapsed, time.perf_counter()
+        engine.step()
+        seconds = time.perf_counter() - t
+        taken.append((seconds, seconds - (timer.elapsed - before)))
+    engine.runner.model.forward = timer.inner
+    while engine.has_unfinished_requests():
+        engine.step()
+    prompts = [[(t * 7919 + i) % 40000 + 100 for t in range(args.context)] for i in range(args.decode_seqs)]
+    params = SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=args.steps, ignore_eos=True)
+    t = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    generate_s = time.perf_counter() - t
+    assert all(len(c.token_ids) == args.steps for o in outputs for c in o.outputs)
+    return {"step_s": statistics.median(s for s, _ in taken), "outside_s": statistics.median(o for _, o in taken),
+            "generate_s": generate_s, "src": str(Path(sys.modules["pagedserve"].__file__).parents[1])}
+
+
+def paired(args: argparse.Namespace) -> None:
+    """Old (--baseline-src) and new (this checkout) in alternating subprocesses; new/old ratios."""
+    sides = {"old": str(Path(args.baseline_src).resolve()), "new": str(_SRC)}
+    worker = [sys.executable, __file__, "--paired-worker", "--decode-seqs", str(args.decode_seqs),
+              "--context", str(args.context), "--steps", str(args.steps), "--prefill-len", str(args.prefill_len),
+              "--kernels", args.kernels]
+    runs: dict[str, list[dict]] = {"old": [], "new": []}
+    for r in range(args.rounds):
+        for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
+            env = {**os.environ, "PYTHONPATH": sides[name]}
+            done = subprocess.run(worker, env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"the {name} run failed:\n{done.stderr[-3000:]}")
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            if Path(result["src"]).resolve() != Path(sides[name]):
+                raise RuntimeError(f"the {name} run imported pagedserve from {result['src']}, not {sides[name]}")
+            runs[name].append(result)
+            print(f"round {r} {name}: step {result['step_s'] * 1e3:.2f} ms (outside the forward "
+                  f"{result['outside_s'] * 1e3:.2f} ms), generate {result['generate_s']:.2f} s", flush=True)
+    for key in ("step_s", "outside_s", "generate_s"):
+        ratios = [n[key] / o[key] for o, n in zip(runs["old"], runs["new"])]
+        print(f"{key}: new/old median {statistics.median(ratios):.3f}x (rounds {min(ratios):.3f}-{max(ratios):.3f}x); "
+              f"old median {statistics.median(o[key] for o in runs['old']):.4g} s, "
+              f"new {statistics.median(n[key] for n in runs['new']):.4g} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--decode-seqs", type=int, default=32)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--prefill-len", type=int, default=1024)
+    ap.add_argument("--baseline-src", help="another checkout's src/: compare its engine step with this one's, "
+                                           "paired (see above); --kernels takes one path then")
+    ap.add_argument("--rounds", type=int, default=5, help="paired rounds (with --baseline-src)")
+    ap.add_argument("--paired-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--kernels", default="auto",
                     help="comma-separated kernel paths (auto, native, torch), each optionally with a "
                          "--quantization, a --kv-cache-dtype and --gguf-weights after colons (native:gguf, "
@@ -137,6 +213,12 @@ def main() -> None:
                          "each its own engine, decode steps interleaved: e.g. native,torch,native:gguf for "
                          "paired ratios")
     args = ap.parse_args()
+    if args.paired_worker:
+        print(json.dumps(paired_run(args)))
+        return
+    if args.baseline_src:
+        paired(args)
+        return
 
     defaults = ["auto", "none", "auto", "blocks"]
     choices = [(parts := c.split(":")) + defaults[len(parts):] for c in args.kernels.split(",")]

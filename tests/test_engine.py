@@ -4,6 +4,8 @@ chunks, prefix-cache hits and forced preemption; n > 1 shares the prompt's block
 stop strings; nothing leaks."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from conftest import REFERENCE_NEW_TOKENS
@@ -11,6 +13,7 @@ from engine_utils import KV_BYTES_PER_BLOCK, assert_all_blocks_free, check_busy_
 from pagedserve import SamplingParams
 from pagedserve.core.request import RequestStatus
 from pagedserve.model.loader import load_model
+from pagedserve.outputs import OutputAccumulator
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +52,19 @@ def test_parallel_sampling_shares_prompt_blocks(loaded):
     assert len(prompt) == 40
     rid = engine.add_request(prompt, SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True))
     kv = engine.scheduler.kv_cache
-    engine.step()  # prefill + fork: 4 samples, the prompt's 3 blocks shared by all
+    outputs = OutputAccumulator()
+    deltas = engine.step()  # prefill + fork: 4 samples, the prompt's 3 blocks shared by all
     assert kv.num_blocks - kv.num_free_blocks == 3
-    engine.step()  # each sample writes into the shared partial block: copy-on-write
+    deltas += engine.step()  # each sample writes into the shared partial block: copy-on-write
     # 2 shared full blocks + 4 private copies of the partial block (12 without sharing).
     assert kv.num_blocks - kv.num_free_blocks == 2 + 4
-    outs = []
     while engine.has_unfinished_requests():
-        outs += [o for o in engine.step() if o.finished]
+        deltas += engine.step()
+    # Each sample says it finished exactly once, on its last delta; the request's last delta says so too.
+    ends = [(s.index, s.finish_reason) for d in deltas for s in d.samples if s.finish_reason is not None]
+    assert sorted(ends) == [(i, "length") for i in range(4)]
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    outs = [o for o in map(outputs.add, deltas) if o.finished]
     (out,) = outs
     assert out.request_id == rid and [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert all(len(c.token_ids) == 6 for c in out.outputs)
@@ -93,15 +101,26 @@ def test_stop_string_across_token_boundary(loaded):
 def test_streamed_deltas_add_up_to_the_text(loaded):
     llm = make_llm(loaded)
     engine = llm.engine
-    engine.add_request("Tell me about Paris.", SamplingParams(temperature=0, max_tokens=20))
-    text, ids = "", []
-    final = None
+    prompt = "Tell me about Paris."
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=20))
+    deltas = []
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            text += out.outputs[0].delta_text
-            ids += out.outputs[0].delta_token_ids
-            final = out
+        deltas += engine.step()
+    text = "".join(s.text for d in deltas for s in d.samples)
+    ids = [t for d in deltas for s in d.samples for t in s.token_ids]
+    # Frozen: a delta is never changed after the step that made it.
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        deltas[0].samples[0].text = ""
+    # The first delta alone carries the prompt; the last alone the metrics and the end.
+    assert deltas[0].prompt == prompt and deltas[0].prompt_token_ids == tuple(llm.tokenizer.encode(prompt))
+    assert all(d.prompt is None and d.prompt_token_ids is None for d in deltas[1:])
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert all(d.metrics is None for d in deltas[:-1])
+    outputs = OutputAccumulator()
+    final = [outputs.add(d) for d in deltas][-1]
     assert final.finished and text == final.outputs[0].text and ids == final.outputs[0].token_ids
+    assert final.prompt == prompt and final.prompt_token_ids == list(deltas[0].prompt_token_ids)
+    assert deltas[-1].finish_reason == final.outputs[0].finish_reason in ("stop", "length")
     m = final.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
     assert_all_blocks_free(llm)
@@ -128,7 +147,12 @@ def test_abort_frees_blocks(loaded):
     other = engine.add_request("Another request", SamplingParams(n=2, max_tokens=50, ignore_eos=True))
     engine.step()
     engine.step()
-    assert engine.abort(rid) and engine.abort(other)
+    first, second = engine.abort(rid), engine.abort(other)
+    # The last delta of each: every unfinished sample ends with "abort", and no metrics.
+    assert (first.finished, first.finish_reason, first.metrics) == (True, "abort", None)
+    assert [(s.index, s.finish_reason) for s in first.samples] == [(0, "abort")]
+    assert [(s.index, s.finish_reason) for s in second.samples] == [(0, "abort"), (1, "abort")]
+    assert engine.abort(rid) is None  # already gone
     assert not engine.has_unfinished_requests()
     assert_all_blocks_free(llm)
 
@@ -161,10 +185,10 @@ def test_logprobs_of_greedy_tokens(loaded):
     assert_all_blocks_free(llm)
 
 
-def _steps_to_first_token(engine, request_id: str) -> int:
+def _steps_to_first_token(engine, request_id: str, outputs: OutputAccumulator) -> int:
     for steps in range(1, 50):
-        for out in engine.step():
-            if out.request_id == request_id and out.outputs[0].token_ids:
+        for out in map(outputs.add, engine.step()):
+            if out.request_id == request_id and out.outputs and out.outputs[0].token_ids:
                 return steps
     raise AssertionError(f"{request_id} produced nothing in 50 steps")
 
@@ -177,7 +201,7 @@ def test_a_high_priority_request_under_a_full_batch_starts_as_on_an_idle_engine(
     urgent = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     idle = make_llm(loaded, scheduling_policy="priority", max_num_seqs=4).engine
     idle.add_request(prompt, urgent, request_id="urgent")
-    idle_steps = _steps_to_first_token(idle, "urgent")
+    idle_steps = _steps_to_first_token(idle, "urgent", OutputAccumulator())
 
     llm = make_llm(loaded, scheduling_policy="priority", max_num_seqs=4)
     engine = llm.engine
@@ -185,15 +209,17 @@ def test_a_high_priority_request_under_a_full_batch_starts_as_on_an_idle_engine(
     low_prompts = [loaded.tokenizer.encode(f"Story {i}: once upon a time") for i in range(4)]
     for i, p in enumerate(low_prompts):
         engine.add_request(p, stream, request_id=f"low{i}", priority=1)
+    outputs = OutputAccumulator()
     for _ in range(3):
-        engine.step()
+        for delta in engine.step():
+            outputs.add(delta)
     assert engine.scheduler.stats().num_running == 4
     engine.add_request(prompt, urgent, request_id="urgent", priority=0)
-    assert _steps_to_first_token(engine, "urgent") <= idle_steps + 2
+    assert _steps_to_first_token(engine, "urgent", outputs) <= idle_steps + 2
     assert engine.scheduler.num_preemptions == 1
     finished = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in map(outputs.add, engine.step()):
             if out.finished:
                 finished[out.request_id] = list(out.outputs[0].token_ids)
     alone = make_llm(loaded).generate(low_prompts, stream, use_tqdm=False)

@@ -24,6 +24,7 @@ from pagedserve.core.block_hash import ROOT_HASH, extend_block_hashes, hash_bloc
 from pagedserve.kernels import resolve_kernels
 from pagedserve.model.loader import load_model
 from pagedserve.model.lora import LoRASlots, fused_shapes, load_peft_adapter
+from pagedserve.outputs import OutputAccumulator
 
 # fp32 on both sides, as tests/test_model_reference.py (base model worst 6.8e-5 there);
 # the adapters' deltas add a few more products summed in another order. Observed worst
@@ -260,22 +261,25 @@ def test_load_and_unload_under_load_leak_nothing(loaded, adapter_paths, prompt_i
     alone = {name: llm.generate(prompt_ids[2], GREEDY, use_tqdm=False, lora_name=name)[0].outputs[0].token_ids
              for name in ("all8", None)}
     running = [engine.add_request(prompt_ids[i % 3], GREEDY, lora_name="all8" if i % 2 else None) for i in range(6)]
+    accumulated = OutputAccumulator()
     for _ in range(3):
-        engine.step()
+        for delta in engine.step():
+            accumulated.add(delta)
     engine.add_lora("qv4", adapter_paths["qv4"])  # between steps, under load
     with pytest.raises(ValueError, match="max_loras"):
         engine.add_lora("mlp16", adapter_paths["mlp16"])
     with pytest.raises(ValueError, match="unfinished requests"):
         engine.remove_lora("all8")
     late = engine.add_request(prompt_ids[0], GREEDY, lora_name="qv4")
-    engine.step()
-    engine.abort(late)
+    for delta in engine.step():
+        accumulated.add(delta)
+    accumulated.add(engine.abort(late))
     engine.remove_lora("qv4")  # its only request was aborted
     with pytest.raises(ValueError, match="no LoRA adapter named 'qv4'"):
         engine.add_request(prompt_ids[0], GREEDY, lora_name="qv4")
     outputs = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in map(accumulated.add, engine.step()):
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
     for i, rid in enumerate(running):

@@ -14,6 +14,7 @@ from pagedserve.kernels import resolve_kernels
 from pagedserve.model.gguf_file import read_tensors
 from pagedserve.model.loader import convert_gguf, load_model
 from pagedserve.model.weights import fuse_gguf_blocks
+from pagedserve.outputs import OutputAccumulator
 from pagedserve.model.quant import QTYPES, QuantEmbedding, QuantLinear, dequantize_blocks
 from pagedserve.sampling_params import SamplingParams
 
@@ -132,9 +133,9 @@ def test_engine_runs_each_quantization(quantization: str) -> None:
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = ["The capital of France is", "def add(a, b):", "1, 2, 3, 4," * 30]  # the last one is chunked
     ids = [engine.add_request(p, params) for p in prompts]
-    outputs = {}
+    outputs, accumulated = {}, OutputAccumulator()
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in map(accumulated.add, engine.step()):
             if out.finished:
                 outputs[out.request_id] = out.outputs[0]
     assert sorted(outputs) == sorted(ids) and all(len(o.token_ids) == 8 for o in outputs.values())

@@ -99,13 +99,13 @@ def run_engine(loaded, policy: str, requests: Sequence[BenchRequest], *, max_con
             continue
         outputs = engine.step()
         t = time.monotonic() - t0
-        for out in outputs:
-            rec = records[int(out.request_id)]
-            rec.token_times.extend([t] * len(out.outputs[0].delta_token_ids))
-            rec.num_output_tokens += sum(len(c.delta_token_ids) for c in out.outputs)
-            if out.finished:
+        for delta in outputs:
+            rec = records[int(delta.request_id)]
+            rec.token_times.extend([t] * sum(len(s.token_ids) for s in delta.samples if s.index == 0))
+            rec.num_output_tokens += sum(len(s.token_ids) for s in delta.samples)
+            if delta.finished:
                 inside -= 1
-                rec.num_preemptions = out.metrics.num_preemptions
+                rec.num_preemptions = delta.metrics.num_preemptions
         st = engine.stats()
         steps.append(StepSample(t, st["num_running"], st["num_waiting"], st["kv_usage"], st["kv_waste"],
                                 total_blocks - st["kv_free_blocks"]))

@@ -6,23 +6,22 @@ gets results back through `loop.call_soon_threadsafe`, one callback per engine
 iteration. The thread sleeps on the command queue while there is no work and
 steps back to back while there is.
 
-`engine.step()` hands back live objects whose deltas are reset by the next step,
-so the thread copies each step's news into frozen `RequestDelta`s before it
-posts them.
+`engine.step()` hands back frozen `RequestDelta`s, which the thread posts as they are.
+Each side keeps one table of requests: the engine its own (on the thread), this class
+`_entries` (on the loop: whose stream each request's deltas go to).
 """
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from ..outputs import RequestMetrics, RequestOutput, TokenLogprobs
+from ..outputs import RequestDelta
 from ..sampling_params import SamplingParams
 from ..spec_decode.metrics import SpecDecodeStats
 from .dashboard_feed import DashboardFeed
@@ -61,31 +60,6 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True, slots=True)
-class SampleDelta:
-    """What one step added to sample `index` of a request."""
-
-    index: int
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprobs, ...] | None  # one dict per token in token_ids
-    finish_reason: str | None  # set on the sample's last delta only
-    stop_reason: int | str | None
-
-
-@dataclass(frozen=True, slots=True)
-class RequestDelta:
-    request_id: str
-    samples: tuple[SampleDelta, ...]
-    finished: bool  # every sample of the request is done
-    time: float  # time.monotonic() at the end of the step
-    metrics: RequestMetrics | None  # a copy, on a request's last delta (None after an abort)
-    # With prompt_logprobs: one entry per prompt token (None for the first), on the first delta.
-    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
-    # A producer's hand-off to the decode instance, on the request's last delta.
-    kv_transfer_params: dict | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class EngineSnapshot:
     """Engine state after one iteration of the thread, for admission, health and metrics."""
 
@@ -121,12 +95,31 @@ class FinishedRequest:
 
 @dataclass(slots=True)
 class StepStats:
-    """What one delivery from the engine thread means for the server's metrics."""
+    """What one delivery from the engine thread means for the server's metrics, read
+    from its frozen deltas alone."""
 
     num_generation_tokens: int = 0
     first_tokens: list[tuple[float, int]] = field(default_factory=list)  # (TTFT, prompt tokens)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequest] = field(default_factory=list)
+
+    def add(self, delta: RequestDelta) -> None:
+        num_tokens = sum(len(sample.token_ids) for sample in delta.samples)
+        if num_tokens:
+            self.num_generation_tokens += num_tokens
+            if delta.previous_token_time is None:
+                self.first_tokens.append((delta.time - delta.arrival_time, delta.num_prompt_tokens))
+            else:
+                self.inter_token_latencies.append(delta.time - delta.previous_token_time)
+        if delta.finished:
+            m = delta.metrics
+            self.finished.append(FinishedRequest(
+                finish_reason=delta.finish_reason,
+                e2e_latency=delta.time - delta.arrival_time,
+                queue_time=None if m is None or m.first_scheduled_time is None
+                else m.first_scheduled_time - delta.arrival_time,
+                num_prompt_tokens=delta.num_prompt_tokens,
+            ))
 
 
 # -- commands: event loop -> engine thread ---------------------------------------------
@@ -161,15 +154,6 @@ _STOP = object()
 _FRAME = object()
 
 
-@dataclass(slots=True)
-class _Live:
-    """Engine-thread bookkeeping of one request: which samples already reported their end."""
-
-    n: int
-    finished: set[int] = field(default_factory=set)
-    sent_prompt_logprobs: bool = False
-
-
 # -- loop-side bookkeeping ----------------------------------------------------------------
 
 
@@ -177,21 +161,18 @@ class _Live:
 class _Entry:
     stream: RequestStream | None  # None once the consumer has gone (aborted by it)
     ack: asyncio.Future
-    arrival_time: float
-    num_prompt_tokens: int
-    last_token_time: float | None = None
-    finish_reasons: dict[int, str] = field(default_factory=dict)
 
 
 class RequestStream:
     """The deltas of a group of requests added together (one HTTP request, possibly
     several prompts), in engine order. Iteration ends when all of them finished."""
 
-    def __init__(self, engine: AsyncEngine, request_ids: Sequence[str]):
+    def __init__(self, engine: AsyncEngine, request_ids: Sequence[str], acks: Sequence[asyncio.Future]):
         self._engine = engine
-        self._unfinished = set(request_ids)
+        self.request_ids = tuple(request_ids)
+        self._num_unfinished = len(self.request_ids)
         self._queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
-        self._acks: list[asyncio.Future] = []
+        self._acks = list(acks)
 
     async def accepted(self) -> None:
         """Return once the engine has taken every request of the group. If it rejected
@@ -209,34 +190,35 @@ class RequestStream:
 
     @property
     def finished(self) -> bool:
-        return not self._unfinished
+        return not self._num_unfinished
 
-    def _put(self, item: RequestDelta | BaseException) -> None:
+    def put(self, item: RequestDelta | BaseException) -> None:
+        """The engine's side: a delta of one of the group's requests, or the error that ends the stream."""
         self._queue.put_nowait(item)
 
     async def __aiter__(self) -> AsyncIterator[RequestDelta]:
-        while self._unfinished:
+        while self._num_unfinished:
             item = await self._queue.get()
             if isinstance(item, BaseException):
-                self._unfinished.clear()
+                self._num_unfinished = 0
                 raise item
             if item.finished:
-                self._unfinished.discard(item.request_id)
+                self._num_unfinished -= 1
             yield item
 
     def abort(self) -> None:
         """Stop every unfinished request of the group and free its KV blocks; idempotent."""
-        for request_id in self._unfinished:
-            self._engine._abort(request_id, notify=False)
-        self._unfinished.clear()
+        if self._num_unfinished:
+            self._engine.abort(self.request_ids)
+        self._num_unfinished = 0
 
 
 class AsyncEngine:
     """Owns the engine thread; every public method must be called on the event loop."""
 
-    def __init__(self, engine: LLMEngine, on_step: Callable[[StepStats], None] | None = None):
+    def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._step_listeners: list[Callable[[StepStats], None]] = [on_step] if on_step is not None else []
+        self._step_listeners: list[Callable[[StepStats], None]] = []
         self._feed: DashboardFeed | None = None
         self._on_frame: Callable[[dict], None] | None = None
         self._kv_feed: KVEventFeed | None = None
@@ -268,7 +250,8 @@ class AsyncEngine:
             engine.tp.on_failure = lambda error: self._commands.put(_Crash(error))
 
     def add_step_listener(self, listener: Callable[[StepStats], None]) -> None:
-        """Call `listener` on the event loop after each delivery, like `on_step`."""
+        """Call `listener` on the event loop after each delivery that carried deltas, with
+        what those frozen deltas add up to (the server's metrics, the dashboard)."""
         self._step_listeners.append(listener)
 
     def attach_feed(self, feed: DashboardFeed, on_frame: Callable[[dict], None]) -> None:
@@ -368,11 +351,10 @@ class AsyncEngine:
         for r in requests:
             if r.request_id in self._entries:
                 raise ValueError(f"request_id {r.request_id!r} is already in use")
-        stream = RequestStream(self, [r.request_id for r in requests])
-        for r in requests:
-            ack = self._loop.create_future()
-            self._entries[r.request_id] = _Entry(stream, ack, r.arrival_time, len(r.prompt_token_ids))
-            stream._acks.append(ack)
+        acks = [self._loop.create_future() for _ in requests]
+        stream = RequestStream(self, [r.request_id for r in requests], acks)
+        for r, ack in zip(requests, acks):
+            self._entries[r.request_id] = _Entry(stream, ack)
             self._num_adds_sent += 1
             self._commands.put(_Add(r))
         return stream
@@ -383,6 +365,12 @@ class AsyncEngine:
         self._refusing = True
         for request_id in list(self._entries):
             self._abort(request_id, notify=True)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """The consumer of these requests has gone: abort those unfinished (freeing their
+        KV blocks) and deliver nothing more of them."""
+        for request_id in request_ids:
+            self._abort(request_id, notify=False)
 
     def _abort(self, request_id: str, *, notify: bool) -> None:
         entry = self._entries.get(request_id)
@@ -408,39 +396,14 @@ class AsyncEngine:
             entry = self._entries.get(delta.request_id)
             if entry is None:
                 continue
-            self._account(entry, delta, stats)
+            stats.add(delta)
             if entry.stream is not None:
-                entry.stream._put(delta)
+                entry.stream.put(delta)
             if delta.finished:
                 del self._entries[delta.request_id]
         if deltas:
             for listener in self._step_listeners:
                 listener(stats)
-
-    @staticmethod
-    def _account(entry: _Entry, delta: RequestDelta, stats: StepStats) -> None:
-        num_tokens = 0
-        for sample in delta.samples:
-            num_tokens += len(sample.token_ids)
-            if sample.finish_reason is not None:
-                entry.finish_reasons[sample.index] = sample.finish_reason
-        if num_tokens:
-            stats.num_generation_tokens += num_tokens
-            if entry.last_token_time is None:
-                stats.first_tokens.append((delta.time - entry.arrival_time, entry.num_prompt_tokens))
-            else:
-                stats.inter_token_latencies.append(delta.time - entry.last_token_time)
-            entry.last_token_time = delta.time
-        if delta.finished:
-            reasons = entry.finish_reasons
-            m = delta.metrics
-            stats.finished.append(FinishedRequest(
-                finish_reason="abort" if "abort" in reasons.values() else reasons.get(0, "abort"),
-                e2e_latency=delta.time - entry.arrival_time,
-                queue_time=None if m is None or m.first_scheduled_time is None
-                else m.first_scheduled_time - entry.arrival_time,
-                num_prompt_tokens=entry.num_prompt_tokens,
-            ))
 
     def _fail_all(self, error: BaseException) -> None:
         for future in self._calls:
@@ -450,7 +413,7 @@ class AsyncEngine:
             if not entry.ack.done():
                 entry.ack.set_exception(error)
             elif entry.stream is not None:
-                entry.stream._put(error)
+                entry.stream.put(error)
         self._entries.clear()
 
     def _on_thread_crash(self, error: BaseException) -> None:
@@ -465,7 +428,6 @@ class AsyncEngine:
         engine = self.engine
         feed = self._feed
         kv_feed = self._kv_feed
-        live: dict[str, _Live] = {}
         num_adds = 0
         try:
             while True:
@@ -481,7 +443,7 @@ class AsyncEngine:
                 frame_due = False
                 for command in commands:
                     if command is _STOP:
-                        for request_id in live:
+                        for request_id in engine.unfinished_request_ids():
                             engine.abort(request_id)
                         return
                     if command is _FRAME:
@@ -497,21 +459,19 @@ class AsyncEngine:
                             logger.exception("a command on the engine thread failed; the engine carries on")
                     elif isinstance(command, _Add):
                         num_adds += 1
-                        acks.append(self._thread_add(command.request, live))
+                        acks.append(self._thread_add(command.request))
                     else:
-                        aborted = self._thread_abort(command.request_id, live)
+                        aborted = engine.abort(command.request_id)
                         if aborted is not None:
                             deltas.append(aborted)
                 if engine.has_unfinished_requests():
                     # Unwatched, the dashboard costs this one flag read per step.
                     if feed is not None and feed.watched:
                         started = time.perf_counter()
-                        outputs = engine.step()
+                        deltas += engine.step()
                         feed.record_step(engine, time.perf_counter() - started)
                     else:
-                        outputs = engine.step()
-                    now = time.monotonic()
-                    deltas.extend(_delta(out, live, now) for out in outputs)
+                        deltas += engine.step()
                 self.snapshot = _snapshot(engine, num_adds)
                 if kv_feed is not None and kv_feed.active:
                     kv_feed.after_step(engine)
@@ -525,7 +485,7 @@ class AsyncEngine:
             logger.exception("engine thread crashed")
             self._loop.call_soon_threadsafe(self._on_thread_crash, error)
 
-    def _thread_add(self, r: GenerationRequest, live: dict[str, _Live]) -> tuple[str, Exception | None]:
+    def _thread_add(self, r: GenerationRequest) -> tuple[str, Exception | None]:
         try:
             self.engine.add_request(
                 r.prompt_token_ids, r.params, request_id=r.request_id, priority=r.priority,
@@ -536,18 +496,7 @@ class AsyncEngine:
         except Exception as error:  # an engine bug must cost this request, not the thread
             logger.exception("add_request failed for %s", r.request_id)
             return r.request_id, error
-        live[r.request_id] = _Live(r.params.n)
         return r.request_id, None
-
-    def _thread_abort(self, request_id: str, live: dict[str, _Live]) -> RequestDelta | None:
-        state = live.pop(request_id, None)
-        if state is None:  # already finished, or its add failed
-            return None
-        self.engine.abort(request_id)
-        samples = tuple(
-            SampleDelta(i, "", (), None, "abort", None) for i in range(state.n) if i not in state.finished
-        )
-        return RequestDelta(request_id, samples, True, time.monotonic(), None)
 
 
 def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
@@ -557,37 +506,6 @@ def _settle(future: asyncio.Future, result: object, error: BaseException | None)
         future.set_exception(error)
     else:
         future.set_result(result)
-
-
-def _delta(out: RequestOutput, live: dict[str, _Live], now: float) -> RequestDelta:
-    """Freeze what this step changed in `out` (its live objects change at the next step)."""
-    state = live[out.request_id]
-    samples = []
-    for c in out.outputs:
-        ends_now = c.finish_reason is not None and c.index not in state.finished
-        if not (c.delta_token_ids or c.delta_text or ends_now):
-            continue
-        num_new = len(c.delta_token_ids)
-        logprobs = None
-        if c.logprobs is not None and num_new:
-            logprobs = tuple(dict(entry) for entry in c.logprobs[-num_new:])
-        if ends_now:
-            state.finished.add(c.index)
-        samples.append(SampleDelta(
-            c.index, c.delta_text, tuple(c.delta_token_ids), logprobs,
-            c.finish_reason if ends_now else None, c.stop_reason if ends_now else None,
-        ))
-    prompt_logprobs = None
-    if out.prompt_logprobs is not None and not state.sent_prompt_logprobs:
-        # Complete once the request has an output; its entries are never changed in place.
-        prompt_logprobs = tuple(out.prompt_logprobs)
-        state.sent_prompt_logprobs = True
-    metrics = None
-    if out.finished:
-        del live[out.request_id]
-        metrics = dataclasses.replace(out.metrics)
-    return RequestDelta(out.request_id, tuple(samples), out.finished, now, metrics, prompt_logprobs,
-                        out.kv_transfer_params if out.finished else None)
 
 
 def _snapshot(engine: LLMEngine, num_adds: int) -> EngineSnapshot:

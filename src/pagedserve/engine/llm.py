@@ -7,7 +7,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ..config import EngineConfig
-from ..outputs import RequestOutput
+from ..outputs import OutputAccumulator, RequestOutput
 from ..sampling_params import SamplingParams
 from .llm_engine import LLMEngine
 
@@ -99,10 +99,12 @@ class LLM:
                 engine.abort(rid)
             raise
         done: dict[str, RequestOutput] = {}
+        outputs = OutputAccumulator()
         bar = tqdm(total=total, desc="generating", disable=not use_tqdm or total < 2)
         try:
             while engine.has_unfinished_requests():
-                for out in engine.step():
+                for delta in engine.step():
+                    out = outputs.add(delta)
                     if out.finished:
                         done[out.request_id] = out
                         bar.update(1)

@@ -2,7 +2,8 @@
 
 The engine owns what the core does not: tokenisation, sampling state (seeded
 generators, parallel-sampling forks), incremental detokenisation with stop
-strings, per-request metrics and the RequestOutputs handed to callers.
+strings, per-request metrics and the frozen RequestDeltas handed to callers
+(each step's news, never changed after; callers accumulate them).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from ..model.config import ModelConfig
 from ..model.loader import LoadedModel, load_model
 from ..model.placement import place_model
 from ..model.lora import LoRASlots
-from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
+from ..outputs import Logprob, RequestDelta, RequestMetrics, SampleDelta, TokenLogprobs
 from ..sampling_params import SamplingParams
 from ..sampling_state import SamplingState
 from ..spec_decode.metrics import SpecDecodeStats
@@ -76,14 +77,16 @@ class EngineStats:
 
 @dataclass
 class _Sequence:
-    """One of a request's n samples, as the caller sees it."""
+    """One of a request's n samples: its text so far lives with the caller."""
 
-    output: CompletionOutput
     detokenizer: IncrementalDetokenizer
+    finish_reason: str | None = None
 
 
 @dataclass
 class _Tracked:
+    """The engine's record of one request (its n samples are the scheduler's Requests)."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -94,10 +97,34 @@ class _Tracked:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # filled by position as prefill runs
     kv_transfer_params: dict | None = None  # a producer's hand-off, once the request finished
     lora_id: int = 0
+    delivered: bool = False  # a delta went out (the first one carries the prompt)
+    last_token_delivery: float | None = None  # the time of its last delta with tokens
 
     @property
     def finished(self) -> bool:
         return self.num_finished == self.params.n
+
+    def finish_reason(self) -> str:
+        """The request's: "abort" if any sample was aborted, else sample 0's."""
+        reasons = [s.finish_reason for s in self.sequences.values()]
+        return "abort" if "abort" in reasons or 0 not in self.sequences else self.sequences[0].finish_reason
+
+    def delta(self, samples: tuple[SampleDelta, ...], now: float, finish_reason: str | None = None) -> RequestDelta:
+        """This step's frozen news of the request; the first carries its prompt, the last its
+        metrics (`finish_reason` set: an abort, which carries none) and hand-off."""
+        first, previous = not self.delivered, self.last_token_delivery
+        self.delivered = True
+        if any(s.token_ids for s in samples):
+            self.last_token_delivery = now
+        done = finish_reason is not None or self.finished
+        return RequestDelta(
+            self.request_id, samples, done, now, self.metrics.arrival_time, len(self.prompt_token_ids), previous,
+            finish_reason or (self.finish_reason() if done else None),
+            replace(self.metrics) if done and finish_reason is None else None,
+            self.prompt if first else None, tuple(self.prompt_token_ids) if first else None,
+            tuple(self.prompt_logprobs) if first and self.prompt_logprobs is not None else None,
+            self.kv_transfer_params if done else None,
+        )
 
 
 def _plan_kv_cache(config: EngineConfig, target: ModelConfig, draft: LoadedModel | None,
@@ -198,7 +225,6 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec is not None else None
         self.structured_outputs = StructuredOutputManager(self.tokenizer, mc.vocab_size)
         self._tracked: dict[str, _Tracked] = {}
-        self._streamed: list[CompletionOutput] = []  # outputs whose deltas the last step set
         self._ids = itertools.count()
         # The latest step's schedule, for observers on the engine's thread (the dashboard).
         self.last_scheduled: SchedulerOutput | None = None
@@ -305,11 +331,21 @@ class LLMEngine:
                                       else None, lora_id=lora_id)
         return rid
 
-    def abort(self, request_id: str) -> bool:
-        """Abort a request (all its samples) in any state; its blocks are freed at once."""
+    def abort(self, request_id: str) -> RequestDelta | None:
+        """Abort a request (all its samples) in any state; its blocks are freed at once.
+        Its last delta (finish_reason "abort" for each sample still unfinished), or None
+        if it was unknown or already finished."""
         tracked = self._tracked.pop(request_id, None)
         self.scheduler.abort(request_id)
-        return tracked is not None
+        if tracked is None:
+            return None
+        done = {i for i, seq in tracked.sequences.items() if seq.finish_reason is not None}
+        samples = tuple(SampleDelta(i, "", (), None, "abort", None) for i in range(tracked.params.n) if i not in done)
+        return tracked.delta(samples, time.monotonic(), finish_reason="abort")
+
+    def unfinished_request_ids(self) -> list[str]:
+        """The requests added and not yet finished or aborted."""
+        return list(self._tracked)
 
     # -- LoRA adapters ------------------------------------------------------------------
 
@@ -342,12 +378,8 @@ class LLMEngine:
 
     # -- one step ----------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one iteration. The RequestOutputs returned hold live objects: their
-        `delta_*` fields describe this step and are valid until the next step()."""
-        for seq in self._streamed:
-            seq.delta_text, seq.delta_token_ids = "", []
-        self._streamed = []
+    def step(self) -> list[RequestDelta]:
+        """Run one iteration; a frozen delta for each request it changed, in update order."""
         started = time.perf_counter()
         sched = self.last_scheduled = self.scheduler.schedule()
         now = time.monotonic()
@@ -371,25 +403,32 @@ class LLMEngine:
                     self.spec_stats.observe(len(row.draft_token_ids), len(result.sampled[row.request_id]) - 1)
         logprobs = self._logprobs_by_sample(result)
         self._store_prompt_logprobs(result)
-        changed: dict[str, _Tracked] = {}
+        changed: dict[str, tuple[_Tracked, list[SampleDelta]]] = {}
         for update in updates:
             req = update.request
             tracked = self._tracked.get(req.parent_id or req.request_id)
             if tracked is None:
                 continue
-            self._apply(tracked, req, update.new_token_ids, update.finished, logprobs.get((req.parent_id or req.request_id, req.index)), now)
-            changed[tracked.request_id] = tracked
+            sample = self._apply(tracked, req, update.new_token_ids, update.finished,
+                                 logprobs.get((req.parent_id or req.request_id, req.index)), now)
+            samples = changed.setdefault(tracked.request_id, (tracked, []))[1]
+            if sample is not None:
+                samples.append(sample)
         if self.runner.speculates and self.speculate:
             self.scheduler.update_draft_token_ids(self.runner.propose_drafts(self.scheduler.running))
-        return [self._output(t) for t in changed.values()]
+        now = time.monotonic()
+        deltas = [tracked.delta(tuple(samples), now) for tracked, samples in changed.values()]
+        for delta in deltas:
+            if delta.finished:
+                del self._tracked[delta.request_id]
+        return deltas
 
     def _apply(self, tracked: _Tracked, req: Request, new_ids: list[int], finished: RequestStatus | None,
-               logprobs: list[TokenLogprobs] | None, now: float) -> None:
+               logprobs: list[TokenLogprobs] | None, now: float) -> SampleDelta | None:
+        """Take one sample's update: detokenize, stop, finish; what it adds, if anything."""
         seq = tracked.sequences.get(req.index)
         if seq is None:
             seq = self._new_sequence(tracked, req)
-        out = seq.output
-        self._streamed.append(out)
         matcher = req.sampling.matcher
         if matcher is not None and matcher.error:
             # The runner keeps a token the grammar refuses only when no token of the
@@ -399,19 +438,13 @@ class LLMEngine:
             if finished is None:
                 self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
             finished = RequestStatus.FINISHED_ERROR
-        delta, stop, new_ids = self._detokenize(seq.detokenizer, new_ids)
-        out.token_ids.extend(new_ids)
-        out.delta_token_ids.extend(new_ids)
-        if out.logprobs is not None and logprobs is not None:
-            out.logprobs.extend(logprobs[: len(new_ids)])
+        text, stop, new_ids = self._detokenize(seq.detokenizer, new_ids)
         m = tracked.metrics
         if m.first_token_time is None:
             m.first_token_time = now
             m.num_cached_tokens = req.num_cached_tokens or 0
         m.last_token_time = now
         m.num_preemptions = max(m.num_preemptions, req.num_preemptions)
-        out.text += delta
-        out.delta_text += delta
         if stop is not None and finished is None:
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
             finished, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
@@ -421,15 +454,19 @@ class LLMEngine:
             finished = RequestStatus.FINISHED_STOPPED
         if finished is not None:
             if stop is None:
-                tail = seq.detokenizer.finish()
-                out.text += tail
-                out.delta_text += tail
-            out.finish_reason = finished.finish_reason
-            out.stop_reason = req.stop_reason
+                text += seq.detokenizer.finish()
+            seq.finish_reason = finished.finish_reason
             tracked.num_finished += 1
             if tracked.finished:
                 m.finished_time = now
                 tracked.kv_transfer_params = req.kv_transfer_result
+        if not (new_ids or text or finished is not None):
+            return None
+        wanted = tracked.params.logprobs is not None
+        return SampleDelta(req.index, text, tuple(new_ids),
+                           (tuple(logprobs[: len(new_ids)]) if logprobs is not None else ()) if wanted else None,
+                           seq.finish_reason if finished is not None else None,
+                           req.stop_reason if finished is not None else None)
 
     @staticmethod
     def _detokenize(detokenizer: IncrementalDetokenizer, new_ids: list[int]) -> tuple[str, str | None, list[int]]:
@@ -448,7 +485,6 @@ class LLMEngine:
     def _new_sequence(self, tracked: _Tracked, req: Request) -> _Sequence:
         params = tracked.params
         seq = _Sequence(
-            CompletionOutput(index=req.index, logprobs=[] if params.logprobs is not None else None),
             IncrementalDetokenizer(
                 self.tokenizer,
                 tracked.prompt_token_ids,
@@ -492,15 +528,6 @@ class LLMEngine:
                 entry.setdefault(tok, Logprob(val, r, self.tokenizer.decode([tok])))
             out.append(entry)
         return out
-
-    def _output(self, tracked: _Tracked) -> RequestOutput:
-        outputs = [tracked.sequences[i].output for i in sorted(tracked.sequences)]
-        if tracked.finished:
-            del self._tracked[tracked.request_id]
-        return RequestOutput(
-            tracked.request_id, tracked.prompt, tracked.prompt_token_ids, outputs, tracked.finished, tracked.metrics,
-            tracked.prompt_logprobs, tracked.kv_transfer_params,
-        )
 
     # -- introspection -----------------------------------------------------------------
 

@@ -83,11 +83,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
         rid = engine.add_request(engine.tokenizer.encode(prompt, add_special_tokens=False), params)
         reply = ""
         while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.request_id == rid:
-                    delta = out.outputs[0].delta_text
-                    reply += delta
-                    print(delta, end="", flush=True)
+            for delta in engine.step():
+                if delta.request_id == rid:
+                    text = "".join(sample.text for sample in delta.samples)
+                    reply += text
+                    print(text, end="", flush=True)
         print()
         messages.append({"role": "assistant", "content": reply})
     return 0

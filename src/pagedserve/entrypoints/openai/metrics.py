@@ -1,8 +1,8 @@
 """Prometheus metrics, named after vLLM's with the `pagedserve:` prefix.
 
-Latencies and token counts are recorded per engine delivery (`on_step`); the engine's
-gauges and cumulative counters are read from its latest snapshot at scrape time, so
-nothing is updated per step that nobody reads. Each app has its own registry.
+Latencies and token counts are recorded per engine delivery: `on_step` is one of the
+AsyncEngine's step listeners, fed what each delivery's frozen deltas add up to. The engine's gauges and cumulative counters are read from its latest snapshot at scrape
+time, so nothing is updated per step that nobody reads. Each app has its own registry.
 """
 from __future__ import annotations
 

@@ -76,7 +76,8 @@ def _server_parts(engine: LLMEngine, config: ServerConfig) -> ServerParts:
     """The async engine around `engine`, its admission, metrics and limits, and the tokenizer threads."""
     model_names = config.served_model_name or [engine.loaded.name]
     metrics = ServerMetrics(model_names[0])
-    async_engine = AsyncEngine(engine, on_step=metrics.on_step)
+    async_engine = AsyncEngine(engine)
+    async_engine.add_step_listener(metrics.on_step)
     metrics.watch(async_engine)
     vocabulary = engine.tokenizer.backend.get_vocab(with_added_tokens=True)
     limits = RequestLimits(config.max_n, config.max_logprobs, async_engine.vocab_size,

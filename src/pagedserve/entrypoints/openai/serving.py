@@ -16,12 +16,11 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ...engine.async_engine import AsyncEngine, EngineCrashedError, EngineDeadError, GenerationRequest, RequestDelta, RequestStream, \
-    SampleDelta
+from ...engine.async_engine import AsyncEngine, EngineCrashedError, EngineDeadError, GenerationRequest, RequestStream
 from ...http.disconnect import sse
 from ...http.errors import APIError
 from ...http.json_body import M, parse_body
-from ...outputs import TokenLogprobs
+from ...outputs import RequestDelta, SampleDelta, TokenLogprobs
 from ...sampling_params import SamplingParams
 from .protocol import RequestLimits, bad_request
 from .served_models import ServedModels
@@ -78,13 +77,15 @@ class Admission:
     async def wait_idle(self) -> None:
         await self._idle.wait()
 
-    def _release(self, num_preparing: int) -> None:
+    def release(self, num_preparing: int) -> None:
+        """A seat closed; `num_preparing` of its requests never reached the engine."""
         self._preparing -= num_preparing
         self._active -= 1
         if self._active == 0:
             self._idle.set()
 
-    def _submitted(self, num_requests: int) -> None:
+    def submitted(self, num_requests: int) -> None:
+        """A seat's requests reached the engine: they wait there now, no longer here."""
         self._preparing -= num_requests
 
 
@@ -104,7 +105,7 @@ class Seat:
     def attach(self, stream: RequestStream) -> None:
         self.stream = stream
         self._preparing = False
-        self._admission._submitted(self._num_requests)
+        self._admission.submitted(self._num_requests)
 
     def hand_over(self) -> None:
         self._handed_over = True
@@ -115,7 +116,7 @@ class Seat:
         self._closed = True
         if self.stream is not None:
             self.stream.abort()
-        self._admission._release(self._num_requests if self._preparing else 0)
+        self._admission.release(self._num_requests if self._preparing else 0)
 
     def __enter__(self) -> Seat:
         return self

@@ -8,11 +8,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ...engine.async_engine import EngineDeadError, GenerationRequest, RequestStream, SampleDelta
+from ...engine.async_engine import EngineDeadError, GenerationRequest, RequestStream
 from ...http.disconnect import sse, until_disconnected
 from ...http.errors import APIError
 from ...http.openai_bodies import CompletionRequest, Prompt, check_token_ids, completion_prompts
-from ...outputs import TokenLogprobs
+from ...outputs import SampleDelta, TokenLogprobs
 from .protocol import check_prompt_chars, completion_sampling_params, structured_output_param
 from .serving import SSE_DONE, ChoiceTracker, OpenAIServing, ResponseMeta, SSEResponse, collect, \
     engine_failure_event, finite_logprob
