@@ -145,3 +145,10 @@ def test_reload_swaps_keys_and_keeps_usage_and_a_bad_file_changes_nothing(tmp_pa
     path.write_text("tenants: [")
     assert not tenants.reload()
     assert tenants.authenticate({"headers": [(b"x-api-key", b"sk-new")]}) is state
+
+
+def test_one_key_and_a_keys_file_do_not_go_together():
+    from pagedserve.entrypoints.openai.args import ServerConfig
+
+    with pytest.raises(ValueError, match="--api-keys do not go together"):
+        ServerConfig(api_key="sk-x", api_keys="keys.yaml")
