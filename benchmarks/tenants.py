@@ -30,6 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from pagedserve.workload.metrics import percentile  # noqa: E402
 
 KEY_A, KEY_B = "sk-bench-flood-a", "sk-bench-light-b"
+# docs/tenants.md's bound: with A budgeted in a lower class, B's p99 TTFT beside the flood is
+# within this factor of its p99 alone.
+BOUND = 2.0
 # The setups: (name, server flags beyond the engine's, tenant A's settings).
 SETUPS = {
     "fcfs, no budgets": ((), "{{}}"),
@@ -130,9 +133,12 @@ def main() -> None:
         results = [run_setup(name, args, Path(tmp)) for name in SETUPS]
     for r in results:
         alone, shared = r["b_alone"], r["with_flood"]
+        if alone["b_p99_ttft_ms"] and shared["b_p99_ttft_ms"]:
+            r["b_p99_ratio"] = round(shared["b_p99_ttft_ms"] / alone["b_p99_ttft_ms"], 2)
         print(f"{r['setup']:<22} B alone p99 TTFT {alone['b_p99_ttft_ms']} ms; with A flooding: B p50 "
-              f"{shared['b_p50_ttft_ms']} ms, p99 {shared['b_p99_ttft_ms']} ms ({shared['b_requests']} requests); "
-              f"A served {shared['a_served']}, refused {shared['a_refused']}; errors {shared['errors']}")
+              f"{shared['b_p50_ttft_ms']} ms, p99 {shared['b_p99_ttft_ms']} ms ({shared['b_requests']} requests), "
+              f"{r.get('b_p99_ratio')}x alone (bound {BOUND}x with A budgeted); A served {shared['a_served']}, "
+              f"refused {shared['a_refused']}; errors {shared['errors']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
 
