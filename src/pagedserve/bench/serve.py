@@ -96,6 +96,8 @@ def parse_goodput(items: Sequence[str] | None) -> SLO | None:
 def _payload(cfg: ServeConfig, model: str, req: BenchRequest, text: str | None) -> dict:
     body = {"model": model, "max_tokens": req.output_len, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": cfg.ignore_eos}
+    if req.priority:  # a workload's classes (--priority-every, jsonl), for --scheduling-policy priority
+        body["priority"] = req.priority
     if cfg.endpoint == "/v1/completions":
         body["prompt"] = req.prompt_token_ids
     else:

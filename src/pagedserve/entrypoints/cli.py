@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import secrets
 import sys
 
 from ..config import EngineConfig
@@ -100,6 +101,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(server_config_from_args(args))
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    """`keys hash`: each key on stdin (never argv, which process lists show) -> its sha256 for
+    the keys file; `keys new`: a fresh key and its entry."""
+    from ..http.tenant_keys import hash_key
+
+    if args.action == "new":
+        key = "sk-" + secrets.token_urlsafe(32)
+        print(f"key (give it to the tenant; the file keeps only its hash): {key}")
+        print(f'keys-file entry: - {{tenant: {args.tenant}, key_sha256: "{hash_key(key)}"}}')
+        return 0
+    for line in sys.stdin:
+        if line.strip():
+            print(hash_key(line.strip()))
+    return 0
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from ..distributed.worker import run_node
 
@@ -129,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    keys = sub.add_parser("keys", help="API keys for --api-keys: 'hash' the keys on stdin, or make a 'new' one")
+    keys.add_argument("action", choices=["hash", "new"])
+    keys.add_argument("--tenant", default="TENANT", help="the tenant a new key's entry names")
+    keys.set_defaults(func=cmd_keys)
 
     worker = sub.add_parser("worker", help="run this node's tensor-parallel ranks for an engine on node 0 "
                                            "(--nnodes, --node-rank, --distributed-init-method)")

@@ -117,6 +117,8 @@ class MessagesRequest(MessagesPrompt):
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
     top_k: Annotated[int, Field(ge=0, description="0 = off.")] | None = None
     output_config: OutputConfig | None = Field(None, description="Only `format` is used (effort is ignored).")
+    # Not Anthropic's: the scheduling priority chat/completions takes (a vLLM extra).
+    priority: int = Field(0, description="Lower runs first under --scheduling-policy priority.")
 
 
 class CountTokensRequest(MessagesPrompt):

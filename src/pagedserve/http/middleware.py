@@ -36,27 +36,37 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and normalize_path(scope["path"]) not in OPEN_PATHS and not self._authorized(scope):
-            error = APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>' or "
-                                  "'x-api-key: <key>'", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-            await error.response(scope["path"])(scope, receive, send)
+            await unauthorized().response(scope["path"])(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        """The key as OpenAI's clients send it (a bearer token) or as Anthropic's do (x-api-key)."""
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                if self._matches(token.strip()) and scheme.lower() == b"bearer":
-                    return True
-            elif name == b"x-api-key" and self._matches(value.strip()):
-                return True
-        return False
+        # Every presented key is compared (a list, not any()'s early exit).
+        return any([self._matches(key) for key in presented_keys(scope)])
 
     def _matches(self, key: bytes) -> bool:
         # Digests of equal length, compared in constant time: neither the key's bytes nor
         # its length show in how long a wrong key takes to refuse.
         return hmac.compare_digest(_digest(key), self._key_digest)
+
+
+def presented_keys(scope: Scope) -> list[bytes]:
+    """The keys a request presents, as OpenAI's clients send one (a bearer token) or as
+    Anthropic's do (x-api-key)."""
+    keys = []
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            if scheme.lower() == b"bearer":
+                keys.append(token.strip())
+        elif name == b"x-api-key":
+            keys.append(value.strip())
+    return keys
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 def _digest(value: bytes) -> bytes:

@@ -234,6 +234,8 @@ class ResponsesRequest(StrictModel):
     store: bool | None = None  # accepted; nothing is ever stored
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
+    # As on chat/completions (a vLLM extra); a tenant's key may fix it (docs/tenants.md).
+    priority: int = Field(0, description="Lower runs first under --scheduling-policy priority.")
 
 
 Prompt = str | list[int]

@@ -7,10 +7,10 @@ import json
 import math
 
 from ..config import parse_memory
-from ..core.config import POLICIES
+from ..core.config import POLICIES, SCHEDULING_POLICIES
 from ..core.contiguous_kv import KV_LAYOUTS, PAGE_SIZE
 from ..workload.datasets import add_dataset_args, dataset_from_args
-from ..workload.metrics import summary_columns
+from ..workload.metrics import CLASS_TTFT, summary_columns
 from .cost_model import DTYPE_BYTES, DTYPES
 from .hardware import HARDWARE_NAMES
 from .models import MODELS
@@ -54,6 +54,8 @@ def add_sim_parser(sub) -> None:
                    help="contiguous: a demand-paged region per request, budgeted in pages (no prefix caching)")
     p.add_argument("--page-size", type=parse_memory, default=PAGE_SIZE,
                    help="the contiguous layout's commit unit (4 KiB CPU pages; CUDA's VMM maps 2 MiB)")
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                   help="priority: requests' classes (--priority-every, jsonl 'priority') order the queue and preempt")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", metavar="DIR", help="write timeline and ITL PNGs here")
     add_dataset_args(p)
@@ -85,13 +87,14 @@ def cmd_sim(args: argparse.Namespace) -> int:
     requests = dataset_from_args(args)
     slo = SLO(args.goodput_ttft_ms / 1e3, args.goodput_itl_ms / 1e3)
     results = {p: simulate(requests, sc.cost, sc.sim_config(p, args.concurrency, args.request_rate, args.seed,
-                                                            kv_layout=args.kv_layout, page_size=args.page_size))
+                                                            kv_layout=args.kv_layout, page_size=args.page_size,
+                                                            scheduling_policy=args.scheduling_policy))
                for p in policies}
     budgets = {p: sc.budget(p) for p in policies}
     if args.itl_target_ms is not None or args.ttft_target_ms is not None:
         results[TARGET_ROW] = simulate(requests, sc.cost, sc.sim_config(
             "chunked", args.concurrency, args.request_rate, args.seed, args.itl_target_ms, args.ttft_target_ms,
-            args.kv_layout, args.page_size))
+            args.kv_layout, args.page_size, scheduling_policy=args.scheduling_policy))
         budgets[TARGET_ROW] = f"itl {args.itl_target_ms} ms, ttft {args.ttft_target_ms} ms, cap {sc.target_cap()}"
     summaries = {p: r.summary(slo) for p, r in results.items()}
     plan = sc.plan
@@ -120,6 +123,9 @@ def cmd_sim(args: argparse.Namespace) -> int:
     print(header)
     for p, s in summaries.items():
         print(f"{p:<15}" + "".join(f"{fmt.format(s[key]):>15}" for _, key, fmt in SUMMARY_COLUMNS))
+        classes = [f"{k.removeprefix(CLASS_TTFT)}: {v:,.0f} ms" for k, v in s.items() if k.startswith(CLASS_TTFT)]
+        if classes:
+            print(f"{'':<15}p99 TTFT by priority ({args.scheduling_policy}): " + ", ".join(classes))
     if args.plot:
         print("plots:", ", ".join(setup["plots"]))
     return 0
@@ -303,7 +309,11 @@ def add_doctor_parser(sub) -> None:
     p.add_argument("--speculative-config", help='JSON, e.g. {"method": "eagle3", "num_speculative_tokens": 3}')
     p.add_argument("--vllm-version", help="check the speculative options against this version")
     p.add_argument("--itl-target-ms", type=float, help="p99 ITL to meet (objective); states the step budget it implies")
-    p.add_argument("--ttft-target-ms", type=float, help="p99 TTFT to meet (objective)")
+    p.add_argument("--ttft-target-ms", type=float, help="p99 TTFT to meet (objective; with priority classes, the "
+                                                        "most urgent class's)")
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES,
+                   help="with a workload of priority classes (--priority-every, or a jsonl's 'priority'), doctor "
+                        "checks the most urgent class's TTFT under it")
     p.add_argument("--objective", choices=("throughput", "itl"), default="throughput",
                    help="maximise output throughput, or minimise p99 ITL, subject to the targets")
     p.add_argument("--min-throughput", type=float, help="objective itl: output tok/s floor")
@@ -323,11 +333,11 @@ def add_doctor_parser(sub) -> None:
 DOCTOR_KEYS = ("model", "hardware", "dtype", "kv_cache_dtype", "tensor_parallel_size", "pipeline_parallel_size",
                "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
                "enable_chunked_prefill", "enable_prefix_caching", "speculative_config", "vllm_version", "itl_target_ms",
-               "ttft_target_ms")
+               "ttft_target_ms", "scheduling_policy")
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from .doctor import Objective, ServeConfig, diagnose, load_config_file, quantify
+    from .doctor import Objective, ServeConfig, diagnose, diagnose_priorities, load_config_file, quantify
 
     values = load_config_file(args.config) if args.config else {}
     values.update({k: getattr(args, k) for k in DOCTOR_KEYS if getattr(args, k) is not None})
@@ -336,6 +346,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if args.tune:
         return _doctor_tune(args, cfg, objective)
     findings = diagnose(cfg)
+    if args.priority_every is not None or args.dataset_name == "jsonl":  # a workload that may carry classes
+        findings += diagnose_priorities(cfg, dataset_from_args(args), args.concurrency, args.request_rate, args.seed)
     if args.simulate:
         findings = quantify(cfg, findings, args.concurrency, objective, args.seed)
     if args.json:
@@ -359,6 +371,7 @@ def _impact_row(m: dict) -> str:
         return f"cannot run: {m['error']}"
     row = (f"{m['output_throughput']:>10,.1f} tok/s  p99 ITL {m['p99_itl_ms']:>9,.1f} ms  "
            f"p99 TTFT {m['p99_ttft_ms']:>11,.0f} ms  preemptions {m['num_preemptions']:>5,}")
+    row += f"  urgent class p99 TTFT {m['p99_ttft_high_ms']:,.0f} ms" if "p99_ttft_high_ms" in m else ""
     return row + (f"  refused {m['rejected']}" if m.get("rejected") else "")
 
 

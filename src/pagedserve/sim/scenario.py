@@ -50,7 +50,8 @@ class Scenario:
     def sim_config(self, policy: str, concurrency: int | None = None, request_rate: float = math.inf,
                    seed: int = 0, itl_target_ms: float | None = None,
                    ttft_target_ms: float | None = None, kv_layout: str = "paged",
-                   page_size: int = PAGE_SIZE, itl_ratio: float | None = None) -> SimConfig:
+                   page_size: int = PAGE_SIZE, itl_ratio: float | None = None,
+                   scheduling_policy: str = "fcfs") -> SimConfig:
         targeted = itl_target_ms is not None or ttft_target_ms is not None or itl_ratio is not None
         contiguous = self.contiguous_layout(page_size) if check_kv_layout(kv_layout) == "contiguous" else None
         return SimConfig(policy=policy, num_blocks=self.plan.num_blocks, block_size=self.block_size,
@@ -59,7 +60,7 @@ class Scenario:
                          max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
                          concurrency=concurrency, request_rate=request_rate, seed=seed,
                          itl_target_ms=itl_target_ms, ttft_target_ms=ttft_target_ms, itl_ratio=itl_ratio,
-                         contiguous=contiguous)
+                         contiguous=contiguous, scheduling_policy=scheduling_policy)
 
 
 def build_scenario(model: str, hardware: str, dtype: str = "bf16", kv_cache_dtype: str | None = None,

@@ -21,7 +21,7 @@ from ..core.config import CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
 from ..core.step_budget import LatencyTarget, PromptSupply, StepBudget
 from ..core.validation import is_int
 from ..workload.datasets import BenchRequest
-from ..workload.metrics import SLO, RequestRecord, summarize
+from ..workload.metrics import CLASS_TTFT, SLO, RequestRecord, summarize
 from .cost_model import CostModel
 
 SAMPLED_TOKEN = 1  # every simulated sample; requests ignore EOS so only lengths matter
@@ -50,6 +50,8 @@ class SimConfig:
     # The contiguous KV layout's regions and page budget; None: the paged pool of num_blocks.
     # It has no prefix cache, so enable_prefix_caching does not apply.
     contiguous: ContiguousLayout | None = None
+    # Who goes first and who is preempted (core/request_queue.py): requests carry their priority.
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.concurrency is not None and (not is_int(self.concurrency) or self.concurrency < 1):
@@ -76,7 +78,8 @@ class SimConfig:
         return Scheduler(
             SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
                             max_model_len=self.max_model_len, policy=self.policy,
-                            long_prefill_token_threshold=self.long_prefill_token_threshold),
+                            long_prefill_token_threshold=self.long_prefill_token_threshold,
+                            scheduling_policy=self.scheduling_policy),
             cache, budget,
             # No OS here: the page arithmetic is the committed figure.
             kv_cache=ContiguousKVCacheManager(cache, self.contiguous, None) if self.contiguous is not None else None,
@@ -115,6 +118,11 @@ class SimResult:
         s["kv_waste"] = sum(st.kv_waste * st.duration for st in busy) / weight
         s["num_preemptions"] = self.num_preemptions
         s["num_steps"] = len(self.steps)
+        classes = sorted({r.priority for r in self.records})
+        if len(classes) > 1:
+            for p in classes:
+                s[f"{CLASS_TTFT}{p}"] = summarize([r for r in self.records if r.priority == p],
+                                                  self.duration)["p99_ttft_ms"]
         return s
 
 
@@ -156,8 +164,9 @@ def simulate(requests: Sequence[BenchRequest], cost: CostModel, config: SimConfi
             send = max(arrivals[i], heapq.heappop(slots))
             req = requests[i]
             rid = str(i)
-            sched.add_request(Request(rid, req.prompt_token_ids, req.output_len, arrival_time=send, ignore_eos=True))
-            records[rid] = RequestRecord(send, req.prompt_len, req.output_len)
+            sched.add_request(Request(rid, req.prompt_token_ids, req.output_len, arrival_time=send, ignore_eos=True,
+                                      priority=req.priority))
+            records[rid] = RequestRecord(send, req.prompt_len, req.output_len, priority=req.priority)
             nxt += 1
         if not sched.has_unfinished_requests():
             if nxt == len(order):

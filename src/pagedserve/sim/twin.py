@@ -316,7 +316,8 @@ def twin(num_prompts: int = 24, policies: list[str] | None = None, seed: int = 0
                            max_num_batched_tokens=sched.config.max_num_batched_tokens,
                            max_model_len=sched.config.max_model_len,
                            enable_prefix_caching=sched.cache_config.enable_prefix_caching,
-                           itl_ratio=target.itl_ratio if target is not None else None)
+                           itl_ratio=target.itl_ratio if target is not None else None,
+                           scheduling_policy=sched.config.scheduling_policy)
         res = simulate(requests, cost, config)
         sim_tput = res.summary()["output_throughput"]
         rows.append({"policy": policy, "engine_output_throughput": produced / wall,

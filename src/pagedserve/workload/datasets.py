@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.validation import require_int
+from ..core.validation import is_int, require_int
 
 DATASETS = ("random", "mixed", "shared-prefix", "sharegpt-like", "jsonl")
 FIRST_TOKEN_ID = 10
@@ -36,6 +36,8 @@ class BenchRequest:
     output_len: int
     # Seconds after the start of the run; None = decided by the arrival process.
     arrival_time: float | None = None
+    # Lower runs first under --scheduling-policy priority (as the server's `priority` field).
+    priority: int = 0
 
     @property
     def prompt_len(self) -> int:
@@ -125,7 +127,7 @@ def sharegpt_like_dataset(num_prompts: int, max_len: int = 4096, vocab_size: int
 def jsonl_dataset(path: str | Path, vocab_size: int = 32_000, seed: int = 0,
                   num_prompts: int | None = None) -> list[BenchRequest]:
     """One JSON object per line: {"prompt_token_ids": [...] | "prompt_len": N, "output_len": M,
-    optional "arrival_time": seconds}."""
+    optional "arrival_time": seconds, optional "priority": an integer, lower first}."""
     rng = random.Random(seed)
     out = []
     with open(path) as f:
@@ -145,7 +147,10 @@ def jsonl_dataset(path: str | Path, vocab_size: int = 32_000, seed: int = 0,
                 raise ValueError(f"{where}: needs prompt_token_ids or prompt_len")
             require_int(f"{where}: output_len", obj.get("output_len"), 1)
             arrival = obj.get("arrival_time")
-            out.append(BenchRequest(ids, obj["output_len"], None if arrival is None else float(arrival)))
+            if not is_int(obj.get("priority", 0)):
+                raise ValueError(f"{where}: priority must be an integer, got {obj['priority']!r}")
+            out.append(BenchRequest(ids, obj["output_len"], None if arrival is None else float(arrival),
+                                    obj.get("priority", 0)))
             if num_prompts is not None and len(out) == num_prompts:
                 break
     if not out:
@@ -173,9 +178,26 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-len", type=int, default=4096, help="sharegpt-like: cap on any one length")
     g.add_argument("--vocab-size", type=int, default=32_000, help="token ids are drawn below this")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--priority-every", type=int, default=None,
+                   help="every k-th request (1-based) is urgent (priority 0), the others priority 1; "
+                        "default: one class (jsonl may carry its own)")
 
 
 def dataset_from_args(args: argparse.Namespace) -> list[BenchRequest]:
+    requests = _dataset(args)
+    every = getattr(args, "priority_every", None)
+    return requests if every is None else with_priority_classes(requests, every)
+
+
+def with_priority_classes(requests: list[BenchRequest], every: int) -> list[BenchRequest]:
+    """Every `every`-th request (1-based) urgent (priority 0), the others priority 1."""
+    require_int("priority_every", every, 1)
+    for i, r in enumerate(requests, 1):
+        r.priority = 0 if i % every == 0 else 1
+    return requests
+
+
+def _dataset(args: argparse.Namespace) -> list[BenchRequest]:
     name = args.dataset_name
     common = {"vocab_size": args.vocab_size, "seed": args.seed}
     if name == "random":

@@ -48,6 +48,10 @@ def percentile(values: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
+# A simulated summary's p99 TTFT of one priority class (when a workload has several): this + the class.
+CLASS_TTFT = "p99_ttft_ms_priority_"
+
+
 @dataclass(slots=True)
 class RequestRecord:
     send_time: float
@@ -58,6 +62,7 @@ class RequestRecord:
     # Tokens produced, when a stream delivered some of them together (an HTTP server
     # holds back a partial character); None: one token per entry of token_times.
     num_output_tokens: int | None = None
+    priority: int = 0  # the request's class (lower first), for per-class figures
 
     @property
     def num_tokens(self) -> int:

@@ -23,6 +23,7 @@ class ServerConfig:
     port: int = 8000
     served_model_name: list[str] | None = None  # default: the model's own name
     api_key: str | None = field(default=None, repr=False)
+    api_keys: str | None = None  # a keys file: tenants with budgets (http/tenant_keys.py)
     allowed_origins: list[str] = field(default_factory=list)  # CORS off when empty
     max_queued_requests: int = 512
     max_n: int = 16
@@ -53,6 +54,9 @@ class ServerConfig:
             raise ValueError(f"tool_call_parser must be one of {list(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty")
+        if self.api_key is not None and self.api_keys is not None:
+            raise ValueError(f"--api-key (or {API_KEY_ENV}) and --api-keys do not go together: list the key in the "
+                             "keys file under a tenant")
 
     def describe(self) -> dict:
         """The effective configuration, safe to print: the API key is never shown."""
@@ -71,6 +75,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="model name(s) clients use; responses carry the first (default: the model's name)")
     g.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on every route but /health (or set {API_KEY_ENV})")
+    g.add_argument("--api-keys", metavar="FILE", default=None,
+                   help="a YAML/JSON file of tenants (priority, rpm, tpm, max_concurrency) and their keys' sha256; "
+                        "SIGHUP reloads it (docs/tenants.md)")
     g.add_argument("--allowed-origins", nargs="+", default=[], help="CORS origins to allow (default: CORS off)")
     g.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
                    help="answer 429 once this many requests wait for the engine")
@@ -104,6 +111,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         served_model_name=args.served_model_name,
         api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
+        api_keys=args.api_keys,
         allowed_origins=args.allowed_origins,
         max_queued_requests=args.max_queued_requests,
         max_n=args.max_n,

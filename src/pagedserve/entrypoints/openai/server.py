@@ -30,6 +30,7 @@ from ...http.bounds import limited_http_protocol
 from ...http.errors import install_error_handlers
 from ...http.json_body import validation_error
 from ...http.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from ...http.tenants import TenantMiddleware, Tenants
 from ...http.openapi import build_openapi
 from ...http.tool_parsers import TOOL_PARSERS
 from .args import ServerConfig
@@ -40,6 +41,7 @@ from .routes import RouteGroup, ServerParts, dashboard_routes, kv_event_routes, 
 from .served_models import ServedModels
 from .serving import Admission, ServingContext, engine_error
 from .serving_messages import messages_routes
+from .tenant_metrics import TenantCollector
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -57,10 +59,16 @@ ROUTE_GROUPS: tuple[RouteGroup, ...] = (
 )
 
 
-def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
-    """The ASGI app around `engine`. The engine thread starts and stops with the app's lifespan."""
+def build_app(engine: LLMEngine, config: ServerConfig, tenants: Tenants | None = None) -> FastAPI:
+    """The ASGI app around `engine`. The engine thread starts and stops with the app's lifespan.
+    With --api-keys, `tenants` is its file loaded (loaded here when not given)."""
     parts = _server_parts(engine, config)
-    app = FastAPI(title="pagedserve", version=__version__, lifespan=_lifespan(parts.context), redoc_url=None,
+    if config.api_keys is not None and tenants is None:
+        tenants = Tenants(config.api_keys)
+    if tenants is not None:
+        parts.metrics.registry.register(TenantCollector(tenants, parts.model_names[0]))
+    app = FastAPI(title="pagedserve", version=__version__, lifespan=_lifespan(parts.context, tenants),
+                  redoc_url=None,
                   description="An OpenAI-compatible LLM server.", separate_input_output_schemas=False)
     app.state.engine = parts.context.engine
     app.state.admission = parts.context.admission
@@ -68,7 +76,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     document = build_openapi(app, tuple(request_models))
     app.openapi = lambda: document  # type: ignore[method-assign]  # built once; the routes are fixed
     install_error_handlers(app, {RequestValidationError: validation_error, EngineDeadError: engine_error})
-    _add_middleware(app, config)
+    _add_middleware(app, config, tenants)
     return app
 
 
@@ -90,23 +98,29 @@ def _server_parts(engine: LLMEngine, config: ServerConfig) -> ServerParts:
     return ServerParts(context, config, metrics, model_names, tool_parser)
 
 
-def _lifespan(context: ServingContext) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+def _lifespan(context: ServingContext,
+              tenants: Tenants | None) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         context.engine.start()
+        stop_watching = tenants.watch_sighup(asyncio.get_running_loop()) if tenants is not None else None
         try:
             yield
         finally:
+            if stop_watching is not None:
+                stop_watching()
             await context.engine.close()
             context.executor.shutdown(wait=False, cancel_futures=True)
 
     return lifespan
 
 
-def _add_middleware(app: FastAPI, config: ServerConfig) -> None:
-    # Added innermost first: requests pass CORS, then the key check, then the body limit.
+def _add_middleware(app: FastAPI, config: ServerConfig, tenants: Tenants | None) -> None:
+    # Added innermost first: requests pass CORS, then the key check (or the tenants'), then the body limit.
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_size)
-    if config.api_key:
+    if tenants is not None:
+        app.add_middleware(TenantMiddleware, tenants=tenants)
+    elif config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"],
@@ -175,8 +189,9 @@ class GracefulServer(uvicorn.Server):
 def run_server(config: ServerConfig) -> int:
     print("pagedserve serve: effective configuration\n" + json.dumps(config.describe(), indent=2, default=str),
           flush=True)
+    tenants = Tenants(config.api_keys) if config.api_keys is not None else None  # a bad file stops us before loading
     engine = LLMEngine(config.engine)
-    app = build_app(engine, config)
+    app = build_app(engine, config, tenants)
     async_engine: AsyncEngine = app.state.engine
     logger.info("serving %s as %s on http://%s:%d; context %d tokens (KV cache holds %d)",
                 engine.loaded.name, config.served_model_name or [engine.loaded.name], config.host, config.port,

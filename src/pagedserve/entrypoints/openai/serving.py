@@ -4,6 +4,7 @@ checks, handing requests to the engine, SSE framing and client-disconnect handli
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 import uuid
@@ -20,6 +21,7 @@ from ...engine.async_engine import AsyncEngine, EngineCrashedError, EngineDeadEr
 from ...http.disconnect import sse
 from ...http.errors import APIError
 from ...http.json_body import M, parse_body
+from ...http.tenants import TenantState, current_tenant
 from ...outputs import RequestDelta, SampleDelta, TokenLogprobs
 from ...sampling_params import SamplingParams
 from .protocol import RequestLimits, bad_request
@@ -164,6 +166,8 @@ class ChoiceTracker:
         self.choices = [ChoiceState(i) for i in range(len(request_ids) * n)]
         self.num_prompt_tokens = num_prompt_tokens
         self.kv_transfer_params: dict | None = None
+        # The tenant (--api-keys) whose budget the generated tokens are charged to, as they arrive.
+        self._tenant = current_tenant()
 
     def update(self, delta: RequestDelta) -> list[tuple[ChoiceState, SampleDelta]]:
         """Apply a delta; return (choice, sample delta) for each sample it touched."""
@@ -182,6 +186,8 @@ class ChoiceTracker:
             if sample.finish_reason is not None:
                 choice.finish_reason, choice.stop_reason = sample.finish_reason, sample.stop_reason
             touched.append((choice, sample))
+        if self._tenant is not None:
+            self._tenant.charge_generated(sum(len(sample.token_ids) for sample in delta.samples))
         return touched
 
     def kv_transfer_field(self) -> dict[str, dict]:
@@ -286,6 +292,9 @@ class OpenAIServing:
 
     async def start(self, seat: Seat, requests: Sequence[GenerationRequest]) -> RequestStream:
         """Hand `requests` to the engine under `seat`; 400 if the engine rejects one."""
+        tenant = current_tenant()
+        if tenant is not None:
+            requests = for_tenant(tenant, requests)
         try:
             stream = self.engine.submit(requests)
             # From here the engine's queue counts them, and closing the seat aborts them.
@@ -295,7 +304,16 @@ class OpenAIServing:
             raise bad_request(e) from None
         except EngineDeadError as e:
             raise engine_error(e) from None
+        if tenant is not None:
+            tenant.charge_prompt(sum(len(r.prompt_token_ids) for r in requests))
         return stream
+
+
+def for_tenant(tenant: TenantState, requests: Sequence[GenerationRequest]) -> list[GenerationRequest]:
+    """The requests with their tenant's priority class and prefix-cache salt (tenant_keys.Tenant)."""
+    t = tenant.tenant
+    return [dataclasses.replace(r, priority=t.request_priority(r.priority), cache_salt=t.cache_salt(r.cache_salt))
+            for r in requests]
 
 
 def engine_error(error: EngineDeadError) -> APIError:

@@ -62,7 +62,8 @@ class MessagesServing(ChatServing):
         arrival, req, meta = await self.read_request(request, MessagesRequest, "msg")
         chat = chat_request(req, {"max_tokens": req.max_tokens, "stop": req.stop_sequences,
                                   "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
-                                  "response_format": _response_format(req.output_config)})
+                                  "response_format": _response_format(req.output_config),
+                                  "priority": req.priority})
         prefill = _prefill(req)
         params, plan = await self.checked(chat)
         message_id = f"msg_{meta.id.rpartition('-')[2]}"

@@ -46,7 +46,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
         "tools": [_chat_tool(tool, i) for i, tool in enumerate(req.tools)] if req.tools else None,
         "tool_choice": _chat_tool_choice(req.tool_choice), "parallel_tool_calls": req.parallel_tool_calls,
-        "response_format": _response_format(req.text),
+        "response_format": _response_format(req.text), "priority": req.priority,
     }
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
