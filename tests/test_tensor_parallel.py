@@ -315,7 +315,7 @@ class TestRandomLlamaAtTP2:
     def test_a_killed_rank_makes_generate_raise(self, tp2):
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         assert len(tp2.generate(["warm up"], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
-        (worker,) = tp2.engine.tp.procs
+        (worker,) = tp2.engine.tp.ranks.procs
         os.kill(worker.pid, signal.SIGKILL)
         started = time.monotonic()
         with pytest.raises(RankFailedError, match="tensor-parallel rank 1 .* exited with code -9"):
