@@ -100,6 +100,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(server_config_from_args(args))
 
 
+def cmd_serve_ray(args: argparse.Namespace) -> int:
+    from .ray_serve.app import cmd_serve_ray  # here: ray is the `ray` extra's
+
+    return cmd_serve_ray(args)
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from ..distributed.worker import run_node
 
@@ -129,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    serve_ray = sub.add_parser("serve-ray", help="serve engine replicas on a Ray cluster with Ray Serve, behind one "
+                                                 "ingress and the cache-aware router (docs/scale-out.md)")
+    serve_ray.add_argument("config", help="the app's YAML file: engine, server, replicas, router and http sections "
+                                          "(entrypoints/ray_serve/settings.py)")
+    serve_ray.set_defaults(func=cmd_serve_ray)
 
     worker = sub.add_parser("worker", help="run this node's tensor-parallel ranks for an engine on node 0 "
                                            "(--nnodes, --node-rank, --distributed-init-method)")

@@ -1,0 +1,131 @@
+"""The Ray Serve app's one YAML file (`pagedserve serve-ray CONFIG.yaml`):
+
+    engine:            # EngineConfig fields, as `pagedserve serve`'s engine flags (underscores)
+      kv_cache_memory: 512MiB
+      num_threads: 1
+    server:            # `pagedserve serve`'s server options but host/port (every replica's)
+      served_model_name: [smollm2]
+    replicas:
+      num_replicas: 2              # fixed; with max_replicas: autoscaled from min_replicas
+      max_replicas: 4              # (start at num_replicas) on ongoing requests per replica
+      target_ongoing_requests: 4
+      max_ongoing_requests: 32     # per replica; more wait in the handle's queue
+      num_cpus: 1                  # per replica (default: engine.num_threads or 1)
+    router:
+      policy: cache_aware          # round_robin, least_load or cache_aware (router/policies.py)
+      cache_load_weight: 16
+      balance_abs_threshold: 4
+      balance_rel_threshold: 1.5
+      routed_ttl_s: 30
+      stats_period_s: 1            # how often each replica reports its cached block hashes
+    http: {host: 127.0.0.1, port: 8000}
+
+Every key is checked here; a misspelt one is an error, not a silent default."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ...config import EngineConfig
+from ...router.policies import POLICIES, CacheAwareConfig
+from ..openai.args import ServerConfig
+
+_DEFAULT = CacheAwareConfig()
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    num_replicas: int = 1
+    min_replicas: int = 1
+    max_replicas: int | None = None
+    target_ongoing_requests: float = 4.0
+    max_ongoing_requests: int = 32
+    num_cpus: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_replicas", "min_replicas", "max_ongoing_requests"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"replicas.{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.max_replicas is not None and not self.min_replicas <= self.num_replicas <= self.max_replicas:
+            raise ValueError(f"replicas: need min_replicas <= num_replicas <= max_replicas, got {self.min_replicas}, "
+                             f"{self.num_replicas}, {self.max_replicas}")
+        if not self.target_ongoing_requests > 0:
+            raise ValueError(f"replicas.target_ongoing_requests must be > 0, got {self.target_ongoing_requests!r}")
+        if self.num_cpus is not None and not self.num_cpus > 0:
+            raise ValueError(f"replicas.num_cpus must be > 0, got {self.num_cpus!r}")
+
+    def deployment_options(self, engine: EngineConfig) -> dict[str, Any]:
+        """serve.deployment options: a fixed count, or autoscaling on ongoing requests."""
+        options: dict[str, Any] = {"max_ongoing_requests": self.max_ongoing_requests,
+                                   "ray_actor_options": {"num_cpus": self.num_cpus or engine.num_threads or 1}}
+        if self.max_replicas is None:
+            return {**options, "num_replicas": self.num_replicas}
+        return {**options, "autoscaling_config": {
+            "min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+            "initial_replicas": self.num_replicas, "target_ongoing_requests": self.target_ongoing_requests}}
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    policy: str = "cache_aware"
+    cache_load_weight: float = _DEFAULT.load_weight
+    balance_abs_threshold: int = _DEFAULT.balance_abs
+    balance_rel_threshold: float = _DEFAULT.balance_rel
+    routed_ttl_s: float = 30.0
+    stats_period_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"router.policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        self.cache()  # its own checks
+        for name in ("routed_ttl_s", "stats_period_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"router.{name} must be > 0 seconds, got {getattr(self, name)!r}")
+
+    def cache(self) -> CacheAwareConfig:
+        return CacheAwareConfig(self.cache_load_weight, self.balance_abs_threshold, self.balance_rel_threshold)
+
+
+@dataclass(frozen=True)
+class RayServeConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)  # .engine: every replica's engine
+    replicas: ReplicaSettings = field(default_factory=ReplicaSettings)
+    router: RouterSettings = field(default_factory=RouterSettings)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "RayServeConfig":
+        _known("the config", raw, ("engine", "server", "replicas", "router", "http"))
+        server = dict(raw.get("server") or {})
+        _known("server", server, [f.name for f in dataclasses.fields(ServerConfig)
+                                  if f.name not in ("engine", "host", "port")])
+        http = dict(raw.get("http") or {})
+        _known("http", http, ("host", "port"))
+        engine = EngineConfig(**_section(raw, "engine", [f.name for f in dataclasses.fields(EngineConfig)]))
+        return cls(ServerConfig(engine=engine, **server, **http),
+                   ReplicaSettings(**_section(raw, "replicas", [f.name for f in dataclasses.fields(ReplicaSettings)])),
+                   RouterSettings(**_section(raw, "router", [f.name for f in dataclasses.fields(RouterSettings)])))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RayServeConfig":
+        raw = yaml.safe_load(Path(path).read_text())
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: a YAML mapping with engine/server/replicas/router/http sections is expected")
+        return cls.from_dict(raw)
+
+
+def _section(raw: dict[str, Any], name: str, allowed: list[str]) -> dict[str, Any]:
+    section = raw.get(name) or {}
+    if not isinstance(section, dict):
+        raise ValueError(f"{name} must be a mapping, got {section!r}")
+    _known(name, section, allowed)
+    return section
+
+
+def _known(where: str, section: dict[str, Any], allowed) -> None:
+    unknown = sorted(set(section) - set(allowed))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(allowed))}")
