@@ -83,7 +83,9 @@ def _ray_start(args: list[str], env: dict[str, str]) -> None:
 def ray_cluster() -> Iterator[RayCluster]:
     temp_dir = tempfile.mkdtemp(prefix="psray")  # short: Ray's socket paths live under it
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": SRC, "RAY_USAGE_STATS_ENABLED": "0"}
+    # Explicit: with no mode set, Ray turns token auth on wherever ~/.ray/auth_token exists (a
+    # local ray.init() writes one), and a node or driver that disagrees cannot join.
+    env = {**os.environ, "PYTHONPATH": SRC, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     cluster = RayCluster(f"127.0.0.1:{port}", temp_dir, {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"})
     common = ["--node-ip-address", "127.0.0.1", "--num-cpus", str(NODE_CPUS), "--object-store-memory",
               str(80 << 20), "--disable-usage-stats"]

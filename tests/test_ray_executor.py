@@ -45,6 +45,7 @@ def cluster():
 def on_cluster(cluster, monkeypatch):
     """This process joins the cluster as the engine's driver."""
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    monkeypatch.setenv("RAY_AUTH_MODE", cluster.env["RAY_AUTH_MODE"])
     monkeypatch.setenv("PYTHONPATH", SRC)
     return cluster
 
@@ -89,7 +90,7 @@ def test_smollm2_tp3_across_two_nodes_gives_tp1_tokens(on_cluster, reference_pro
 def test_a_killed_rank_actor_makes_the_server_exit_nonzero(on_cluster, tiny_folder, tmp_path):
     server = start_server(tmp_path, "--model", str(tiny_folder), "--tensor-parallel-size", "2", "--num-threads", "1",
                           "--distributed-executor-backend", "ray",
-                          env={"PYTHONPATH": SRC, "RAY_ADDRESS": on_cluster.address})
+                          env=on_cluster.env)
     try:
         rank_pids = [p for p in on_cluster.pids() if "RankActor" in open(f"/proc/{p}/cmdline").read()]
         assert len(rank_pids) == 1, rank_pids

@@ -61,7 +61,8 @@ def app(tmp_path_factory):
     from ray import serve
 
     with ray_cluster() as cluster:
-        os.environ["RAY_ADDRESS"] = cluster.address
+        joined = {k: cluster.env[k] for k in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+        os.environ.update(joined)
         ray.init()
         try:
             port = free_port()
@@ -73,7 +74,8 @@ def app(tmp_path_factory):
         finally:
             serve.shutdown()
             ray.shutdown()
-            del os.environ["RAY_ADDRESS"]
+            for name in joined:
+                del os.environ[name]
 
 
 def replica_stats() -> dict[str, dict]:

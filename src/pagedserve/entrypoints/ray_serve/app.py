@@ -57,20 +57,17 @@ def build_app(args: dict[str, Any]) -> Application:
 def cmd_serve_ray(args: argparse.Namespace) -> int:
     config = RayServeConfig.load(args.config)
     ray.init(logging_level=logging.WARNING)
+    # After ray.init, whose own SIGTERM handler would abort the process: a signal from here on
+    # (while the app deploys, too) shuts Serve down and exits 0.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": config.server.host, "port": config.server.port})
         serve.run(deployments(config), name=APP_NAME, route_prefix="/")
         logger.info("serving on http://%s:%d (Ctrl-C stops)", config.server.host, config.server.port)
-        serve_until_interrupted()
+        stop.wait()
     finally:
         serve.shutdown()
         ray.shutdown()
     return 0
-
-
-def serve_until_interrupted() -> None:
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-
