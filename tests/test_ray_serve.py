@@ -50,7 +50,9 @@ def test_the_config_file_is_checked_and_build_app_reads_it(tmp_path):
                          ({"server": {"port": 1}}, "unknown key.*port"), ({"extra": {}}, "unknown key.*extra")]:
         with pytest.raises(ValueError, match=message):
             RayServeConfig.from_dict(bad)
-    with pytest.raises(ValueError, match="build_app takes config=PATH"):
+    with pytest.raises(ValueError, match="build_app takes config=PATH or the config's sections"):
+        build_app({"config": str(path), "engine": {}})
+    with pytest.raises(ValueError, match="unknown key.*model"):
         build_app({"model": "x"})
 
 

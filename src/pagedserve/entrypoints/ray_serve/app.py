@@ -48,10 +48,13 @@ def deployments(config: RayServeConfig) -> Application:
 
 
 def build_app(args: dict[str, Any]) -> Application:
-    """`serve run pagedserve.entrypoints.ray_serve.app:build_app config=CONFIG.yaml`."""
-    if set(args) != {"config"}:
-        raise ValueError(f"build_app takes config=PATH (a YAML file, settings.py); got {sorted(args)}")
-    return deployments(RayServeConfig.load(args["config"]))
+    """`serve run pagedserve.entrypoints.ray_serve.app:build_app config=CONFIG.yaml`, or the
+    file's sections given inline as the args (a KubeRay RayService's serveConfigV2 does that)."""
+    if "config" in args:
+        if len(args) > 1:
+            raise ValueError(f"build_app takes config=PATH or the config's sections, not both; got {sorted(args)}")
+        return deployments(RayServeConfig.load(args["config"]))
+    return deployments(RayServeConfig.from_dict(args))
 
 
 def cmd_serve_ray(args: argparse.Namespace) -> int:

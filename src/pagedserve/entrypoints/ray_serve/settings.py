@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 
 from ...config import EngineConfig
+from ...model.config import ModelConfig
 from ...router.policies import POLICIES, CacheAwareConfig
 from ..openai.args import ServerConfig
 
@@ -129,3 +130,15 @@ def _known(where: str, section: dict[str, Any], allowed) -> None:
     unknown = sorted(set(section) - set(allowed))
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(allowed))}")
+
+
+# A replica's process beside its weights and KV pool: torch, the tokenizer, the server, Ray's worker.
+REPLICA_RUNTIME_BYTES = 1 << 30
+
+
+def replica_memory_bytes(config: RayServeConfig, model: ModelConfig) -> int:
+    """What one replica of `model` needs: fp32 weights (the CPU path), the KV pool
+    (engine.kv_cache_memory, which a deployment should set) and the runtime beside them."""
+    if config.server.engine.kv_cache_memory is None:
+        raise ValueError("engine.kv_cache_memory: give the replicas' KV pool size to size their memory")
+    return model.num_params * 4 + config.server.engine.kv_cache_memory + REPLICA_RUNTIME_BYTES
