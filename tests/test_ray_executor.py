@@ -22,8 +22,7 @@ from pagedserve.distributed.ray_ranks import placement_strategy
 from pagedserve.model.loader import load_model
 from ray_cluster import ray_cluster
 from server.server_process import start_server
-from test_tensor_parallel import KILL_BOUND_S, SRC, TINY_PROMPTS, assert_a_kill_fails_generate, running, \
-    write_tiny_llama
+from test_tensor_parallel import KILL_BOUND_S, TINY_PROMPTS, assert_a_kill_fails_generate, running, write_tiny_llama
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -46,7 +45,6 @@ def on_cluster(cluster, monkeypatch):
     """This process joins the cluster as the engine's driver."""
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
     monkeypatch.setenv("RAY_AUTH_MODE", cluster.env["RAY_AUTH_MODE"])
-    monkeypatch.setenv("PYTHONPATH", SRC)
     return cluster
 
 

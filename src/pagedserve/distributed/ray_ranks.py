@@ -90,6 +90,7 @@ class RayRanks:
         self.placement_group: PlacementGroup | None = None
         self._failure: RankFailedError | None = None
         self._stopping = threading.Event()
+        self._follower: threading.Thread | None = None
         try:
             self.placement_group = self._place(config)
             self._start_actors(config)
@@ -154,6 +155,8 @@ class RayRanks:
         for actor in self._actors:
             ray.kill(actor, no_restart=True)
         self._actors = []
+        if self._follower is not None:  # out of ray.wait before Ray goes away under it
+            self._follower.join(2 * _POLL_S)
         if self.placement_group is not None:
             remove_placement_group(self.placement_group)
             self.placement_group = None
