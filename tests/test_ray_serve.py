@@ -6,7 +6,9 @@ Default run: the config file's rules; a multi-tenant shared-prefix workload land
 prefix on the replica that holds it (the prefix-cache hit rate of the two replicas, read
 from their own counters, is printed) while both serve; a request that fails validation
 gets the replica's 400. Slow: a replica killed with streams on it fails only those (each
-with a clean error), every other request is served, and Serve replaces the replica."""
+with a clean error), every other request is served, and Serve replaces the replica; P/D as
+a prefill and a decode deployment (a second app beside the first) gives the colocated
+replicas' greedy tokens, the decode replica pulling the prompts' blocks."""
 from __future__ import annotations
 
 import json
@@ -19,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from pagedserve.entrypoints.ray_serve.app import APP_NAME, ENGINE_DEPLOYMENT, build_app, deployments
+from pagedserve.entrypoints.ray_serve.app import APP_NAME, DECODE_DEPLOYMENT, ENGINE_DEPLOYMENT, build_app, \
+    deployments
 from pagedserve.entrypoints.ray_serve.replica import REPLICA_HEADER
 from pagedserve.entrypoints.ray_serve.settings import RayServeConfig
 from pagedserve.workload.datasets import shared_prefix_dataset
@@ -80,7 +83,7 @@ def app(tmp_path_factory):
                 del os.environ[name]
 
 
-def replica_stats() -> dict[str, dict]:
+def replica_stats(app: str = APP_NAME, deployment: str = ENGINE_DEPLOYMENT) -> dict[str, dict]:
     """Each engine replica's routing stats, asked of its actor directly (the router sees the same)."""
     import ray
 
@@ -88,7 +91,7 @@ def replica_stats() -> dict[str, dict]:
 
     stats = {}
     for named in ray.util.list_named_actors(all_namespaces=True):
-        if named["name"].startswith(f"SERVE_REPLICA::{APP_NAME}#{ENGINE_DEPLOYMENT}#"):
+        if named["name"].startswith(f"SERVE_REPLICA::{app}#{deployment}#"):
             try:  # one killed a moment ago may still be listed
                 s = ray.get(ray.get_actor(named["name"], namespace="serve").record_routing_stats.remote(), timeout=60)
             except (RayError, ValueError):
@@ -183,3 +186,35 @@ def test_a_killed_replica_fails_only_its_requests_and_is_replaced(app):
         raise AssertionError(f"the killed replica was not replaced within {REPLACE_BOUND_S:.0f} s")
     print(f"replaced in {REPLACE_BOUND_S - (deadline - time.monotonic()):.0f} s")
     assert complete(app, "After the replacement").status_code == 200
+
+
+@pytest.mark.slow  # two more SmolLM2 replicas: ~1 min under load
+def test_prefill_and_decode_deployments_give_the_colocated_tokens(app):
+    from ray import serve
+
+    pd = {**CONFIG, "disaggregated": {"prefill_replicas": 1, "decode_replicas": 1}}
+    serve.run(deployments(RayServeConfig.from_dict(pd)), name="pd", route_prefix="/pd")
+    try:
+        assert wait_healthy(app + "/pd", APP_STARTUP_S)
+        before = replica_stats("pd", DECODE_DEPLOYMENT)
+        prompts = [f"Chapter {i}. The lighthouse keeper counted the ships that passed the rocks at night. " * 3
+                   for i in range(3)]
+        for prompt in prompts:
+            want = complete(app, prompt, max_tokens=12)
+            got = complete(app + "/pd", prompt, max_tokens=12)
+            assert got.status_code == want.status_code == 200, got.text
+            assert got.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
+        streamed = httpx.post(app + "/pd/v1/completions", timeout=120, json={
+            "prompt": prompts[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True})
+        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in streamed.text.splitlines()
+                       if line.startswith("data: ") and line != "data: [DONE]")
+        assert text == complete(app, prompts[0], max_tokens=12).json()["choices"][0]["text"]
+        after = replica_stats("pd", DECODE_DEPLOYMENT)
+        (key,) = after
+        received = after[key]["kv_transfer"]["kv_transfer_blocks_received"] - \
+            before[key]["kv_transfer"]["kv_transfer_blocks_received"]
+        print(f"the decode replica pulled {received} KV blocks from the prefill replica for 4 requests")
+        assert after[key]["kv_transfer"]["kv_transfer_loads_failed"] == 0
+        assert received >= 4 * 3  # every request's full prompt blocks (3 or more) came over the connector
+    finally:
+        serve.delete("pd")

@@ -14,7 +14,7 @@ from typing import Any
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
-from ray.serve.deployment import Application
+from ray.serve.deployment import Application, Deployment
 
 from .ingress import Ingress
 from .replica import EngineReplica
@@ -24,6 +24,8 @@ from .settings import RayServeConfig
 logger = logging.getLogger("pagedserve.ray_serve")
 APP_NAME = "pagedserve"
 ENGINE_DEPLOYMENT = "PagedServeEngine"
+PREFILL_DEPLOYMENT = "PagedServePrefill"
+DECODE_DEPLOYMENT = "PagedServeDecode"
 INGRESS_DEPLOYMENT = "PagedServeIngress"
 # A replica loads its model before it is healthy; a health check covers one engine step.
 HEALTH_CHECK_PERIOD_S = 2.0
@@ -31,20 +33,31 @@ HEALTH_CHECK_TIMEOUT_S = 30.0
 
 
 def deployments(config: RayServeConfig) -> Application:
-    """The ingress bound to the engine deployment, whose replicas the cache-aware router picks."""
+    """The ingress bound to the engine deployment, whose replicas the cache-aware router picks;
+    with `disaggregated`, to a decode deployment and a prefill deployment."""
+    server = dataclasses.replace(config.server, api_key=None)  # only the ingress is reachable: it checks the key
+    # The ingress tokenises (for the router's keys) and relays bytes: it reserves no CPU.
+    ingress = serve.deployment(serve.ingress()(Ingress), name=INGRESS_DEPLOYMENT, ray_actor_options={"num_cpus": 0})
+    pd = config.disaggregated
+    if pd is None:
+        return ingress.bind(_engine(config, ENGINE_DEPLOYMENT).bind(server), config)
+    roles = [(PREFILL_DEPLOYMENT, "kv_producer", pd.prefill_replicas),
+             (DECODE_DEPLOYMENT, "kv_consumer", pd.decode_replicas)]
+    prefill, decode = (_engine(config, name, replicas).bind(
+        dataclasses.replace(server, engine=pd.engine(server.engine, role))) for name, role, replicas in roles)
+    return ingress.bind(decode, config, prefill)
+
+
+def _engine(config: RayServeConfig, name: str, num_replicas: int | None = None) -> Deployment:
     router = config.router
-    engine = serve.deployment(
-        EngineReplica, name=ENGINE_DEPLOYMENT, health_check_period_s=HEALTH_CHECK_PERIOD_S,
+    return serve.deployment(
+        EngineReplica, name=name, health_check_period_s=HEALTH_CHECK_PERIOD_S,
         health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
         request_router_config=RequestRouterConfig(
             request_router_class=CacheAwareRequestRouter, request_router_kwargs=dataclasses.asdict(router),
             request_routing_stats_period_s=router.stats_period_s,
             request_routing_stats_timeout_s=max(HEALTH_CHECK_TIMEOUT_S, router.stats_period_s)),
-        **config.replicas.deployment_options(config.server.engine))
-    # The ingress tokenises (for the router's keys) and relays bytes: it reserves no CPU.
-    ingress = serve.deployment(serve.ingress()(Ingress), name=INGRESS_DEPLOYMENT, ray_actor_options={"num_cpus": 0})
-    # Only the ingress is reachable from outside: it checks the API key, the replicas need none.
-    return ingress.bind(engine.bind(dataclasses.replace(config.server, api_key=None)), config)
+        **config.replicas.deployment_options(config.server.engine, num_replicas))
 
 
 def build_app(args: dict[str, Any]) -> Application:

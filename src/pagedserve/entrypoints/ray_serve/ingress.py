@@ -10,6 +10,8 @@ replica full past the queue's bound gets a 503."""
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,16 +26,22 @@ from ...http.errors import APIError
 from ...model.sources import load_model_tokenizer
 from ...router.app import FORWARDED_HEADERS, KEYED_ROUTES, RESPONSE_HEADERS, add_proxied_routes, finish_proxy_app, \
     mid_stream_failure
+from ...router.disagg import GENERATION_PATHS, client_body, prefill_body, prefill_outcome
 from ...router.openapi import MODELS_RESPONSES, health_responses
 from ...router.prompt_keys import NO_KEYS, PromptKeyer, PromptKeys
 from .asgi_call import ProxiedRequest, ReplyStart
 from .replica import REPLICA_HEADER
 from .settings import RayServeConfig
 
+logger = logging.getLogger("pagedserve.ray_serve")
+
 
 class Ingress:
-    def __init__(self, engine: DeploymentHandle, config: RayServeConfig):
+    def __init__(self, engine: DeploymentHandle, config: RayServeConfig, prefill: DeploymentHandle | None = None):
+        """`engine`: the replicas that answer (the decode deployment under P/D); `prefill`:
+        P/D's prefill deployment, which computes each generation's prompt KV first."""
         self.engine = engine.options(stream=True)
+        self.prefill = prefill.options(stream=True) if prefill is not None else None
         self.config = config
         server = config.server
         self.keyer = PromptKeyer(load_model_tokenizer(server.engine.model), server.tool_call_parser) \
@@ -51,8 +59,36 @@ class Ingress:
     async def forward(self, request: Request, method: str, path: str) -> Response:
         body = await request.body() if method == "POST" else b""
         headers = [(k, v) for k, v in request.headers.items() if k in FORWARDED_HEADERS]
+        if self.prefill is not None and path in GENERATION_PATHS:
+            return await self.disaggregated(path, headers, body)
         replies = self.engine.handle.remote(ProxiedRequest(method, path, headers, body, await self.keys(path, body)))
         return await relay(replies, path)
+
+    async def disaggregated(self, path: str, headers: list[tuple[str, str]], raw: bytes) -> Response:
+        """`pagedserve router --prefill --decode`'s two phases (router/disagg.py) over the two
+        deployments: the prefill deployment's kv_transfer_params go to the decode deployment,
+        which pulls the prompt's blocks instead of computing them. A prefill that fails costs
+        only speed (the decode replica prefills); its client error is the client's answer."""
+        body = client_body(raw)
+        if isinstance(body, Response):
+            return body
+        asked = ProxiedRequest("POST", path, headers, json.dumps(prefill_body(body)).encode(),
+                               await self.keys(path, raw))
+        replies = self.prefill.handle.remote(asked)
+        try:
+            start = await replies.__anext__()
+            content = b"".join([chunk async for chunk in replies])
+        except (RayError, RayServeException) as e:
+            logger.warning("the prefill deployment failed (%s); the decode replica prefills", type(e).__name__)
+            params: dict | Response = {}
+        else:
+            params = prefill_outcome("the prefill deployment", start.status, content,
+                                     dict(start.headers).get("content-type"))
+        if isinstance(params, Response):
+            return params
+        decode_body = {**body, "kv_transfer_params": params} if params else body
+        return await relay(self.engine.handle.remote(ProxiedRequest("POST", path, headers,
+                                                                    json.dumps(decode_body).encode())), path)
 
 
 async def relay(replies: DeploymentResponseGenerator, path: str) -> Response:

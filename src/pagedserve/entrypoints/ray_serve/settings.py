@@ -19,6 +19,9 @@
       routed_ttl_s: 30
       stats_period_s: 1            # how often each replica reports its cached block hashes
     http: {host: 127.0.0.1, port: 8000}
+    disaggregated:     # optional: prefill and decode as two deployments, KV between them
+      prefill_replicas: 1
+      decode_replicas: 1
 
 Every key is checked here; a misspelt one is an error, not a silent default."""
 from __future__ import annotations
@@ -59,12 +62,13 @@ class ReplicaSettings:
         if self.num_cpus is not None and not self.num_cpus > 0:
             raise ValueError(f"replicas.num_cpus must be > 0, got {self.num_cpus!r}")
 
-    def deployment_options(self, engine: EngineConfig) -> dict[str, Any]:
-        """serve.deployment options: a fixed count, or autoscaling on ongoing requests."""
+    def deployment_options(self, engine: EngineConfig, num_replicas: int | None = None) -> dict[str, Any]:
+        """serve.deployment options: a fixed count (`num_replicas` overrides it: P/D's
+        deployments), or autoscaling on ongoing requests."""
         options: dict[str, Any] = {"max_ongoing_requests": self.max_ongoing_requests,
                                    "ray_actor_options": {"num_cpus": self.num_cpus or engine.num_threads or 1}}
-        if self.max_replicas is None:
-            return {**options, "num_replicas": self.num_replicas}
+        if num_replicas is not None or self.max_replicas is None:
+            return {**options, "num_replicas": num_replicas or self.num_replicas}
         return {**options, "autoscaling_config": {
             "min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
             "initial_replicas": self.num_replicas, "target_ongoing_requests": self.target_ongoing_requests}}
@@ -92,23 +96,52 @@ class RouterSettings:
 
 
 @dataclass(frozen=True)
+class DisaggregatedSettings:
+    """Prefill and decode as two deployments (docs/disaggregated.md's P/D with the
+    PagedServeConnector between them); `replicas` then gives their other options."""
+
+    prefill_replicas: int = 1
+    decode_replicas: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_replicas", "decode_replicas"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"disaggregated.{name} must be an integer >= 1, got {getattr(self, name)!r}")
+
+    @staticmethod
+    def engine(engine: EngineConfig, role: str) -> EngineConfig:
+        """Every replica's engine, as a KV producer (prefill) or consumer (decode)."""
+        return dataclasses.replace(engine, kv_transfer_config={"kv_connector": "PagedServeConnector", "kv_role": role})
+
+
+@dataclass(frozen=True)
 class RayServeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)  # .engine: every replica's engine
     replicas: ReplicaSettings = field(default_factory=ReplicaSettings)
     router: RouterSettings = field(default_factory=RouterSettings)
+    disaggregated: DisaggregatedSettings | None = None
+
+    def __post_init__(self) -> None:
+        if self.disaggregated is not None and self.server.engine.kv_transfer_config is not None:
+            raise ValueError("disaggregated sets each deployment's engine.kv_transfer_config; give none")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "RayServeConfig":
-        _known("the config", raw, ("engine", "server", "replicas", "router", "http"))
+        _known("the config", raw, ("engine", "server", "replicas", "router", "http", "disaggregated"))
         server = dict(raw.get("server") or {})
         _known("server", server, [f.name for f in dataclasses.fields(ServerConfig)
                                   if f.name not in ("engine", "host", "port")])
         http = dict(raw.get("http") or {})
         _known("http", http, ("host", "port"))
         engine = EngineConfig(**_section(raw, "engine", [f.name for f in dataclasses.fields(EngineConfig)]))
+        disaggregated = None
+        if "disaggregated" in raw:
+            disaggregated = DisaggregatedSettings(**_section(
+                raw, "disaggregated", [f.name for f in dataclasses.fields(DisaggregatedSettings)]))
         return cls(ServerConfig(engine=engine, **server, **http),
                    ReplicaSettings(**_section(raw, "replicas", [f.name for f in dataclasses.fields(ReplicaSettings)])),
-                   RouterSettings(**_section(raw, "router", [f.name for f in dataclasses.fields(RouterSettings)])))
+                   RouterSettings(**_section(raw, "router", [f.name for f in dataclasses.fields(RouterSettings)])),
+                   disaggregated)
 
     @classmethod
     def load(cls, path: str | Path) -> "RayServeConfig":
