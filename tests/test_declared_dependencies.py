@@ -1,6 +1,7 @@
 """Every third-party import in src/pagedserve comes from a distribution that the extras its
 command documents install: the base dependencies everywhere, `server` for the HTTP side
-(serve, router), `bench` for bench/, `guided` for llguidance, CUDA's triton for the Triton
+(serve, router), `bench` for bench/, `guided` for llguidance, `ray` for the Ray executor and
+the Ray Serve app, CUDA's triton for the Triton
 kernels. Resolved through the installed packages' own requirements, so fastapi brings
 starlette and pydantic. (`router --prefill/--decode` imported httpx, which only the test
 extra installed; HF folders needed safetensors, which nothing but transformers brought.)
@@ -23,7 +24,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "pagedserve"
 # Module path prefixes (relative to src/pagedserve) -> the extras they may also use.
-EXTRAS_FOR = [("bench/", ("server", "bench")), ("sim/plot.py", ("bench",)),
+EXTRAS_FOR = [("bench/", ("server", "bench")), ("sim/plot.py", ("bench",)), ("distributed/ray_", ("ray",)),
+              ("entrypoints/ray_serve/", ("server", "ray")),
               ("structured_output/llguidance_backend.py", ("guided",)), ("attention/triton_kernels.py", ("cuda",))]
 # Not on PyPI as a dependency of ours: triton ships inside CUDA builds of torch.
 CUDA = {"triton"}

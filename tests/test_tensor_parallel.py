@@ -315,13 +315,18 @@ class TestRandomLlamaAtTP2:
     def test_a_killed_rank_makes_generate_raise(self, tp2):
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         assert len(tp2.generate(["warm up"], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
-        (worker,) = tp2.engine.tp.procs
-        os.kill(worker.pid, signal.SIGKILL)
-        started = time.monotonic()
-        with pytest.raises(RankFailedError, match="tensor-parallel rank 1 .* exited with code -9"):
-            tp2.generate(["after the kill"], SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
-        print(f"generate raised {time.monotonic() - started:.1f} s after the kill")
-        assert time.monotonic() - started < KILL_BOUND_S
+        (worker,) = tp2.engine.tp.ranks.procs
+        assert_a_kill_fails_generate(tp2, worker.pid, "tensor-parallel rank 1 .* exited with code -9")
+
+
+def assert_a_kill_fails_generate(llm: LLM, pid: int, match: str) -> None:
+    """SIGKILL a rank's process: the next generate raises RankFailedError (`match`) within KILL_BOUND_S."""
+    os.kill(pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(RankFailedError, match=match):
+        llm.generate(["after the kill"], SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
+    print(f"generate raised {time.monotonic() - started:.1f} s after the kill")
+    assert time.monotonic() - started < KILL_BOUND_S
 
 
 def test_random_llama_tp4_with_replicated_kv_heads_matches_tp1(loaded, tmp_path):

@@ -43,6 +43,8 @@ def parse_memory(value: str | int | float) -> int:
             return int(float(s[: -len(unit)]) * mult)
     return int(float(s))
 
+# mp: ranks this host spawns (distributed/worker.py); ray: Ray actors (distributed/ray_ranks.py).
+EXECUTOR_BACKENDS = ("mp", "ray")
 # "auto" is resolved by EngineConfig.resolve; load_model takes the rest.
 ENGINE_QUANTIZATION = ("auto", *QUANTIZATION_CHOICES)
 
@@ -130,6 +132,10 @@ class EngineConfig:
     nnodes: int = option(1, "hosts the tensor-parallel ranks are spread over", int)
     node_rank: int = option(
         0, "this host's index among --nnodes (0 runs the engine; others run `pagedserve worker`)", int)
+    distributed_executor_backend: str = option(
+        "mp", "how the tensor-parallel ranks start: mp (processes this host spawns; other hosts run `pagedserve "
+              "worker`) or ray (Ray actors placed by a placement group on the Ray cluster this process joins, "
+              "RAY_ADDRESS or the local one; docs/scale-out.md)", str, EXECUTOR_BACKENDS)
     kv_transfer_config: KVTransferConfig | dict | str | None = option(
         None, 'disaggregated prefill/decode as JSON, e.g. \'{"kv_connector": "PagedServeConnector", '
               '"kv_role": "kv_producer", "kv_port": 14579, "lease_seconds": 30}\' (see docs/disaggregated.md)', str)
@@ -212,6 +218,7 @@ class EngineConfig:
                              f"nnodes ({self.nnodes}): every node runs as many ranks")
         if self.nnodes > 1 and not self.distributed_init_method:
             raise ValueError("nnodes > 1 needs distributed_init_method (tcp://HOST:PORT of node 0, or env://)")
+        self._check_ray_executor()
         if self.tensor_parallel_size == 1:
             return
         if device == "cuda":
@@ -228,6 +235,21 @@ class EngineConfig:
             raise ValueError("kv_transfer_config is not supported with tensor_parallel_size > 1")
         if self.enable_lora:
             raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 (the adapters are not sharded)")
+
+    def _check_ray_executor(self) -> None:
+        if self.distributed_executor_backend != "ray":
+            return
+        # The placement group decides where every rank runs and rank 0's node hands out the
+        # rendezvous address: the mp backend's hand-placed nodes have no meaning there.
+        if self.nnodes > 1 or self.node_rank:
+            raise ValueError("distributed_executor_backend='ray' places the ranks itself: leave nnodes and "
+                             "node_rank at their defaults (they place mp ranks by hand)")
+        if self.distributed_init_method:
+            raise ValueError("distributed_executor_backend='ray' sets the rendezvous address from rank 0's node: "
+                             "give no distributed_init_method")
+        if self.tensor_parallel_size == 1:
+            raise ValueError("distributed_executor_backend='ray' starts tensor_parallel_size - 1 rank actors; "
+                             "with tensor_parallel_size 1 there are none (use the Ray Serve app for replicas)")
 
     def _check_kv_layout(self, device: str) -> None:
         if self.kv_layout == "paged":

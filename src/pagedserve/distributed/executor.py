@@ -5,11 +5,13 @@ workers beside a rank-less engine): the scheduler, block manager and sampler alr
 live here, the gathered logits land where they are sampled, and no extra process or
 hop sits between a step's schedule and its forward on a 2-core machine.
 
-The executor spawns this node's other ranks, joins the group with them, loads rank
-0's shard, and then, once per step, broadcasts the step (step_message) before rank 0
-runs its own part of the forward. A local rank that exits is noticed before the next
-step and by a watcher thread while the engine idles (`on_failure`); a remote rank's
-death fails the next collective; a stuck one times out (group.COLLECTIVE_TIMEOUT_S).
+The executor starts the other ranks (the mp backend spawns this node's; the ray
+backend places every one as a Ray actor, ray_ranks.py), joins the group with them,
+loads rank 0's shard, and then, once per step, broadcasts the step (step_message)
+before rank 0 runs its own part of the forward. A rank it started that ends is noticed
+before the next step and by a watcher thread while the engine idles (`on_failure`); a
+rank another host started fails the next collective when it dies; a stuck one times
+out (group.COLLECTIVE_TIMEOUT_S).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from ..worker.model_runner import StepInputs
 from . import step_message
 from .group import TPGroup, free_local_init_method
 from .loading import load_parallel_model
+from .ranks import RankFailedError, Ranks, SpawnedRanks
 from .step_message import InitInfo, StepTensors
 from .worker import spawn_ranks
 
@@ -36,10 +39,6 @@ logger = logging.getLogger(__name__)
 _WATCH_INTERVAL_S = 0.5
 _JOIN_TIMEOUT_S = 10.0
 _EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-class RankFailedError(RuntimeError):
-    """A tensor-parallel rank exited or stopped answering: the engine cannot step."""
 
 
 class TensorParallelExecutor:
@@ -51,8 +50,7 @@ class TensorParallelExecutor:
             raise ValueError("this process already holds a torch.distributed group (another tensor-parallel "
                              "engine?): one per process; shut the other engine down first")
         self.config = config
-        init_method = config.distributed_init_method or free_local_init_method()
-        self.procs = spawn_ranks(config, range(1, config.ranks_per_node), init_method)
+        init_method, self.ranks = _start_ranks(config)
         self.group: TPGroup | None = None
         self.on_failure: Callable[[BaseException], None] | None = None
         self._closed = False
@@ -120,10 +118,7 @@ class TensorParallelExecutor:
         return self._failure
 
     def _dead_rank(self) -> RankFailedError | None:
-        for rank, p in enumerate(self.procs, start=1):
-            if p.exitcode is not None:
-                return RankFailedError(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}")
-        return None
+        return self.ranks.dead()
 
     def _check(self) -> None:
         if self._closed:
@@ -155,10 +150,18 @@ class TensorParallelExecutor:
                 step_message.send_shutdown(self.group)
             except RuntimeError as e:
                 logger.warning("could not send SHUTDOWN to the tensor-parallel ranks: %s", e)
-        for p in self.procs:
-            p.join(_JOIN_TIMEOUT_S)
-            if p.exitcode is None:
-                p.kill()
-                p.join()
+        self.ranks.stop(_JOIN_TIMEOUT_S)
         if self.group is not None:
             TPGroup.destroy()
+
+
+def _start_ranks(config: EngineConfig) -> tuple[str, Ranks]:
+    """The ranks other than 0 (this node's for mp, every one for ray), started, and the
+    address where they meet rank 0."""
+    if config.distributed_executor_backend == "ray":
+        from .ray_ranks import RayRanks  # here: ray is the `ray` extra's, which the mp backend does not need
+
+        ranks = RayRanks(config)
+        return ranks.init_method, ranks
+    init_method = config.distributed_init_method or free_local_init_method()
+    return init_method, SpawnedRanks(spawn_ranks(config, range(1, config.ranks_per_node), init_method))

@@ -23,9 +23,14 @@ IDLE_TIMEOUT = datetime.timedelta(days=1)
 
 
 def free_local_init_method() -> str:
+    return free_init_method("127.0.0.1")
+
+
+def free_init_method(host: str) -> str:
+    """tcp://host:port with a port free on `host` now (rank 0 listens there)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        s.bind((host, 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"
 
 
 def backend_for(device: torch.device) -> str:

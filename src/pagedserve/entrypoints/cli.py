@@ -117,6 +117,12 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_ray(args: argparse.Namespace) -> int:
+    from .ray_serve.app import cmd_serve_ray  # here: ray is the `ray` extra's
+
+    return cmd_serve_ray(args)
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from ..distributed.worker import run_node
 
@@ -151,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("action", choices=["hash", "new"])
     keys.add_argument("--tenant", default="TENANT", help="the tenant a new key's entry names")
     keys.set_defaults(func=cmd_keys)
+
+    serve_ray = sub.add_parser("serve-ray", help="serve engine replicas on a Ray cluster with Ray Serve, behind one "
+                                                 "ingress and the cache-aware router (docs/scale-out.md)")
+    serve_ray.add_argument("config", help="the app's YAML file: engine, server, replicas, router and http sections "
+                                          "(entrypoints/ray_serve/settings.py)")
+    serve_ray.set_defaults(func=cmd_serve_ray)
 
     worker = sub.add_parser("worker", help="run this node's tensor-parallel ranks for an engine on node 0 "
                                            "(--nnodes, --node-rank, --distributed-init-method)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -27,9 +27,10 @@ from ..http.errors import ANTHROPIC_PATHS, APIError, install_error_handlers
 from ..http.json_body import validation_error
 from ..http.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from .backends import Backend, BackendMonitor
+from .choice import choose_backend
 from .metrics import RouterMetrics
 from .openapi import METRICS_RESPONSES, MODELS_RESPONSES, health_responses, proxied_post, serve_document
-from .policies import CacheAwareConfig, Candidate, Picker
+from .policies import CacheAwareConfig, Picker
 from .prompt_keys import NO_KEYS, PromptKeyer, PromptKeys
 
 logger = logging.getLogger("pagedserve.router")
@@ -38,8 +39,8 @@ logger = logging.getLogger("pagedserve.router")
 KEYED_ROUTES = ("/v1/completions", "/v1/chat/completions")
 PROXIED_ROUTES = (*KEYED_ROUTES, "/v1/responses", *sorted(ANTHROPIC_PATHS), "/tokenize", "/detokenize")
 # Request headers passed on to a replica (hop-by-hop ones and the router's own key are not).
-_FORWARDED_HEADERS = ("content-type", "accept", "x-request-id")
-_RESPONSE_HEADERS = ("content-type", "x-request-id", "retry-after")
+FORWARDED_HEADERS = ("content-type", "accept", "x-request-id")
+RESPONSE_HEADERS = ("content-type", "x-request-id", "retry-after")
 
 
 @dataclass
@@ -103,23 +104,10 @@ class Router:
 
     def choose(self, keys: PromptKeys, exclude: set[Backend]) -> Backend | None:
         up = [b for b in self.backends if b.healthy and b not in exclude]
-        if not up:
-            return None
-        candidates = []
-        for i, b in enumerate(self.backends):
-            if b in up:
-                hit = b.matched_blocks(keys.hashes(b.block_size)) * b.block_size if keys.token_ids and b.block_size \
-                    else 0
-                candidates.append(Candidate(i, b.in_flight, hit))
-        chosen = self.picker.pick(candidates, len(keys.token_ids))
-        backend = self.backends[chosen.index]
-        backend.num_matched_tokens += chosen.hit_tokens
-        if keys.token_ids and backend.block_size:
-            backend.note_routed(keys.hashes(backend.block_size), self.config.routed_ttl_s)
-        return backend
+        return choose_backend(self.picker, up, keys, self.config.routed_ttl_s) if up else None
 
     def forward_headers(self, request: Request) -> dict[str, str]:
-        headers = {k: v for k, v in request.headers.items() if k in _FORWARDED_HEADERS}
+        headers = {k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}
         return {**headers, **self._headers}
 
     async def proxy(self, request: Request, path: str) -> Response:
@@ -172,10 +160,7 @@ class Router:
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
             backend.num_errors += 1
             backend.mark_down(f"{type(e).__name__}: {e}")
-            error = APIError(502, "the backend replica failed mid-stream", code="backend_failed")
-            # In the stream's own framing: Anthropic's named error event on its routes.
-            event = named_sse(error.anthropic_body()) if path in ANTHROPIC_PATHS else sse(error.body())
-            yield event.encode()
+            yield mid_stream_failure(path)
         finally:
             backend.in_flight -= 1
             if finished:
@@ -195,8 +180,15 @@ class Router:
         raise APIError(503, "no backend replica is available", code="no_backend")
 
 
+def mid_stream_failure(path: str) -> bytes:
+    """The event that ends a stream whose replica failed after it began (there is no status
+    to change by then), in the stream's own framing: Anthropic's named error event on its routes."""
+    error = APIError(502, "the backend replica failed mid-stream", code="backend_failed")
+    return (named_sse(error.anthropic_body()) if path in ANTHROPIC_PATHS else sse(error.body())).encode()
+
+
 def _reply_headers(reply: aiohttp.ClientResponse) -> dict[str, str]:
-    return {k: v for k, v in reply.headers.items() if k.lower() in _RESPONSE_HEADERS}
+    return {k: v for k, v in reply.headers.items() if k.lower() in RESPONSE_HEADERS}
 
 
 def build_router_app(config: RouterConfig, keyer: PromptKeyer | None) -> FastAPI:
@@ -213,14 +205,7 @@ def build_router_app(config: RouterConfig, keyer: PromptKeyer | None) -> FastAPI
     app = FastAPI(title="pagedserve router", lifespan=lifespan, redoc_url=None, docs_url=None)
     app.state.router = router
 
-    def route(path: str) -> None:
-        async def endpoint(request: Request) -> Response:
-            return await router.proxy(request, path)
-
-        app.add_api_route(path, endpoint, name="proxy", **proxied_post(path))
-
-    for path in PROXIED_ROUTES:
-        route(path)
+    add_proxied_routes(app, router.proxy)
 
     @app.get("/v1/models", responses=MODELS_RESPONSES)
     async def models() -> Response:
@@ -234,11 +219,28 @@ def build_router_app(config: RouterConfig, keyer: PromptKeyer | None) -> FastAPI
     async def metrics() -> Response:
         return router.metrics.response()
 
+    finish_proxy_app(app, config.max_request_body_size, config.api_key)
+    return app
+
+
+def add_proxied_routes(app: FastAPI, proxy: Callable[[Request, str], Awaitable[Response]]) -> None:
+    """PROXIED_ROUTES, each documented as the server's own and handed to `proxy(request, path)`
+    (this router's, or the Ray Serve ingress's)."""
+    def route(path: str) -> None:
+        async def endpoint(request: Request) -> Response:
+            return await proxy(request, path)
+
+        app.add_api_route(path, endpoint, name="proxy", **proxied_post(path))
+
+    for path in PROXIED_ROUTES:
+        route(path)
+
+
+def finish_proxy_app(app: FastAPI, max_request_body_size: int, api_key: str | None) -> None:
+    """After the routes: the document, the errors in the API's shape, the body limit and the key check."""
     serve_document(app)
     install_error_handlers(app, {RequestValidationError: validation_error})
-
-    app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_size)
-    if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
-    return app
+    app.add_middleware(BodyLimitMiddleware, limit=max_request_body_size)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 

@@ -42,7 +42,7 @@ from ..kv_transfer.frame import Frame, Kind, send_frame
 from .openapi import MODELS_RESPONSES, health_responses, proxied_post, serve_document
 
 logger = logging.getLogger(__name__)
-_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # Headers that describe one hop's connection or body, not the request.
 _HOP_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding"}
 
@@ -89,14 +89,9 @@ class DisaggRouter:
     # -- the two phases ------------------------------------------------------------------
 
     async def generate(self, request: Request) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return _error(400, f"the body is not valid JSON: {e}", "invalid_json")
-        if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object", "invalid_body")
-        if "kv_transfer_params" in body:
-            return _error(400, "kv_transfer_params is set by the router, not the client", "invalid_parameter")
+        body = client_body(await request.body())
+        if isinstance(body, Response):
+            return body
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         path = request.url.path
         prefill = await unless_disconnected(request, self._prefill_phase(path, body, headers))
@@ -118,28 +113,15 @@ class DisaggRouter:
     async def _prefill_phase(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict | Response:
         """The prefill's kv_transfer_params ({} when the decode instance must prefill), or
         the prefill instance's client error for the client."""
-        prefill_body = {**body, "max_tokens": 1, "n": 1, "stream": False,
-                        "kv_transfer_params": {"do_remote_decode": True}}
-        for key in ("stream_options", "max_completion_tokens", "min_tokens"):
-            prefill_body.pop(key, None)
         url = next(self._prefill) + path
         try:
-            async with self.client.post(url, json=prefill_body, headers=headers) as reply:
+            async with self.client.post(url, json=prefill_body(body), headers=headers) as reply:
                 content = await reply.read()
                 status, content_type = reply.status, reply.headers.get("content-type")
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             logger.warning("prefill instance %s failed (%s); the decode instance prefills", url, e)
             return {}
-        if 400 <= status < 500:
-            return Response(content, status, media_type=content_type)
-        if status != 200:
-            logger.warning("prefill instance %s answered %d; the decode instance prefills", url, status)
-            return {}
-        try:
-            return json.loads(content).get("kv_transfer_params") or {}
-        except (ValueError, AttributeError):
-            logger.warning("prefill instance %s answered no JSON object; the decode instance prefills", url)
-            return {}
+        return prefill_outcome(url, status, content, content_type)
 
     async def _open_decode(self, path: str, body: dict[str, Any],
                            headers: dict[str, str]) -> aiohttp.ClientResponse | Response:
@@ -187,6 +169,43 @@ class DisaggRouter:
         return _error(503, "no decode instance could be reached", "decode_unavailable")
 
 
+def client_body(raw: bytes) -> dict[str, Any] | Response:
+    """The client's request as a JSON object, or the 400 it gets (the router, not the client,
+    sets kv_transfer_params)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return _error(400, f"the body is not valid JSON: {e}", "invalid_json")
+    if not isinstance(body, dict):
+        return _error(400, "the body must be a JSON object", "invalid_body")
+    if "kv_transfer_params" in body:
+        return _error(400, "kv_transfer_params is set by the router, not the client", "invalid_parameter")
+    return body
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """What the prefill instance is asked: the prompt, one token, its KV held for a decode instance."""
+    out = {**body, "max_tokens": 1, "n": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    for key in ("stream_options", "max_completion_tokens", "min_tokens"):
+        out.pop(key, None)
+    return out
+
+
+def prefill_outcome(where: str, status: int, content: bytes, content_type: str | None) -> dict | Response:
+    """The prefill's kv_transfer_params ({}: the decode instance prefills), or, for a client
+    error, the prefill instance's answer for the client."""
+    if 400 <= status < 500:
+        return Response(content, status, media_type=content_type)
+    if status != 200:
+        logger.warning("prefill instance %s answered %d; the decode instance prefills", where, status)
+        return {}
+    try:
+        return json.loads(content).get("kv_transfer_params") or {}
+    except (ValueError, AttributeError):
+        logger.warning("prefill instance %s answered no JSON object; the decode instance prefills", where)
+        return {}
+
+
 def _release_remote(params: dict[str, Any]) -> None:
     """Tell a producer that nobody will pull its blocks (else its lease frees them later)."""
     try:
@@ -209,7 +228,7 @@ def build_disagg_app(config: DisaggConfig) -> FastAPI:
 
     # FastAPI (as the replica router) for the OpenAPI document; the routes parse nothing themselves.
     app = FastAPI(title="pagedserve P/D router", lifespan=lifespan, redoc_url=None, docs_url=None)
-    for path in _GENERATION_PATHS:
+    for path in GENERATION_PATHS:
         app.add_api_route(path, router.generate, name="prefill_then_decode", **proxied_post(path))
     app.add_api_route("/v1/models", router.passthrough, methods=["GET"], name="models", responses=MODELS_RESPONSES)
     app.add_api_route("/health", router.passthrough, methods=["GET"], name="health", response_class=Response,
