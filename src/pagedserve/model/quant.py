@@ -51,6 +51,11 @@ def half_blocks(w: torch.Tensor) -> torch.Tensor | None:
     return w.contiguous().view(torch.uint8)
 
 
+def held_as(qtype: int) -> str:
+    """How the start-up log names weights kept in `qtype`: "on Q4_K blocks", "BF16 as stored"."""
+    return f"{type_name(qtype)} as stored" if qtype in HALF_TYPES else f"on {type_name(qtype)} blocks"
+
+
 def arithmetic(qtype: int, quantization: str) -> str:
     """The activations a layer on `qtype` runs with (ACTIVATIONS): fp32 under quantization
     none and for 16-bit float weights (which have no int8 form), int8 otherwise."""
@@ -222,8 +227,7 @@ class QuantLinear(nn.Module):
 
     def describe(self) -> str:
         """What the start-up log calls this layer's path, e.g. "on Q4_K blocks (int8 arithmetic)"."""
-        held = f"{type_name(self.qtype)} as stored" if self.qtype in HALF_TYPES else f"on {type_name(self.qtype)} blocks"
-        return f"{held} ({self.activations} arithmetic)"
+        return f"{held_as(self.qtype)} ({self.activations} arithmetic)"
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {type_name(self.qtype)}, "
