@@ -18,7 +18,6 @@ from safetensors.torch import load_file
 
 from gguf_samples import llama_gguf_from_hf
 from model_utils import fp32_matrices, greedy_generate, prefill_logits, resident_bytes
-from pagedserve.config import EngineConfig
 from pagedserve.model.gguf_file import read_tensors
 from pagedserve.model.loader import gguf_header, load_model
 from pagedserve.model.quant import QuantEmbedding, QuantLinear
@@ -67,12 +66,6 @@ def test_a_half_folder_runs_as_stored_with_transformers_tokens(gguf_path, tmp_pa
     tokens = greedy_generate(model, ids[:12], 12)
     assert tokens == transformers_greedy(reference, ids[:12], 12)
     assert tokens == greedy_generate(load_model(tmp_path).model, ids[:12], 12)  # the oneDNN fp32 path
-
-
-def test_dtype_float32_asks_for_fp32_matrices_and_auto_keeps_them_as_stored():
-    resolved = [EngineConfig(device="cpu", quantization="none", **o).resolve("cpu").gguf_weights
-                for o in ({}, dict(dtype="float32"), dict(dtype="float32", gguf_weights="blocks"))]
-    assert resolved == ["blocks", "dense", "blocks"]
 
 
 @pytest.fixture(scope="module")
