@@ -68,6 +68,25 @@ def test_a_half_folder_runs_as_stored_with_transformers_tokens(gguf_path, tmp_pa
     assert tokens == greedy_generate(load_model(tmp_path).model, ids[:12], 12)  # the oneDNN fp32 path
 
 
+def test_the_engine_serves_a_bf16_folder_as_stored_by_default_batch_invariant(gguf_path, tmp_path, caplog):
+    import logging
+
+    from engine_utils import assert_all_blocks_free, check_busy_batch
+    from pagedserve import LLM
+
+    tokenizer = gguf_header(gguf_path).tokenizer
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=tokenizer.vocab_size, **TINY)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    tokenizer.save(tmp_path)
+    with caplog.at_level(logging.INFO, logger="pagedserve.engine.llm_engine"):
+        llm = LLM(model=str(tmp_path), kv_cache_memory="16MiB", max_model_len=256)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights: "))
+    assert line == "weights: 9 BF16 as stored (fp32 arithmetic); embedding BF16 as stored", line
+    check_busy_batch(llm)
+    assert_all_blocks_free(llm)
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(gguf_path):
     """A tiny random Llama on the shipped tokenizer's vocabulary, in fp32."""
