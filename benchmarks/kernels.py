@@ -1,7 +1,7 @@
 """pagedserve's native ops against today's torch path, paired in one process.
 
-    .venv/bin/python benchmarks/kernels.py [--section attention|decode-paths] [--reps 15]
-        [--threads 2] [--clock wall|cpu]
+    .venv/bin/python benchmarks/kernels.py [--section attention|decode-paths|half-linear] [--reps 15]
+        [--threads 2] [--clock wall|cpu] [--half-shapes 2048x2048,8192x2048]
 
 Each section times its native op and the torch path it replaces on the same inputs,
 interleaved call by call so that load from other processes hits both alike, and
@@ -20,10 +20,18 @@ decode-paths: the native decode op alone at W3's shape (64 decodes x 320 keys) o
 layers' caches, so that K/V come from memory as in the engine, for each cache dtype
 (fp32, fp16) and each instruction-set path (the widest the CPU has, and AVX2 through
 PAGEDSERVE_NATIVE_ISA), interleaved layer pass by layer pass; milliseconds per layer.
+
+half-linear: one linear layer (--half-shapes, N x K: 2048x2048 is a 1B model's q/o, 8192x2048
+its gate/up) at 1 and 16 rows, its weights as fp32 (oneDNN, prepacked: the path a checkpoint
+inflated to fp32 takes) and as stored in BF16 and F16 (dequant_linear's tiles, fp32
+arithmetic: the same model), interleaved; milliseconds per call, GB/s of weight bytes read,
+and fp32's time over each. Several copies of each weight, used in turn, keep them out of
+the caches as a model's layers are.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import statistics
@@ -38,6 +46,8 @@ from pagedserve.attention.cpu_backend import CpuPagedAttention
 from pagedserve.attention.native_backend import NativePagedAttention
 from pagedserve.attention.testing import random_step
 from pagedserve.kernels import native_isa, native_unavailable_reason
+from pagedserve.model.llama import Linear
+from pagedserve.model.quant import BF16, F16, QuantLinear, half_blocks
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 SCALE = HEAD_DIM**-0.5
@@ -145,8 +155,45 @@ def decode_paths_section(reps: int, clock: Callable[[], float], layers: int = 30
         print(f"{name:6} {isa:12} {t / layers * 1e3:9.3f} {base / t:12.2f}x")
 
 
+HALF_SHAPES = [(2048, 2048), (8192, 2048)]
+HALF_COPIES_BYTES = 256 << 20  # fp32 bytes of each arm's copies: well past any L3
+
+
+def half_linear_layers(n: int, k: int) -> dict[str, list[torch.nn.Module]]:
+    """Each arm's copies of one random N x K layer (fp32 prepacked, BF16 and F16 as stored)."""
+    copies = min(64, max(1, HALF_COPIES_BYTES // (n * k * 4)))
+    arms: dict[str, list[torch.nn.Module]] = {"fp32": [], "bf16": [], "f16": []}
+    for _ in range(copies):
+        w = torch.randn(n, k) * k**-0.5
+        fp32 = Linear(k, n, bias=False).requires_grad_(False)
+        fp32.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+        fp32.pack()
+        arms["fp32"].append(fp32)
+        arms["bf16"].append(QuantLinear(half_blocks(w.to(torch.bfloat16)), BF16, activations="fp32"))
+        arms["f16"].append(QuantLinear(half_blocks(w.to(torch.float16)), F16, activations="fp32"))
+    return arms
+
+
+def half_linear_section(reps: int, clock: Callable[[], float], shapes: list[tuple[int, int]] | None = None) -> None:
+    print(f"{'N x K':>11} {'rows':>4} {'arm':>5} {'ms':>8} {'GB/s':>7} {'fp32 / arm':>10}")
+    for n, k in shapes or HALF_SHAPES:
+        arms = half_linear_layers(n, k)
+        for rows in (1, 16):
+            x = torch.randn(rows, k)
+
+            def call(layers: list[torch.nn.Module]) -> Callable[[], None]:
+                turn = itertools.cycle(layers)
+                return lambda: next(turn)(x)
+
+            times = paired([call(layers) for layers in arms.values()], reps * len(arms["fp32"]), clock)
+            for (name, _), t in zip(arms.items(), times):
+                weight_bytes = n * k * (4 if name == "fp32" else 2)
+                print(f"{n:>5}x{k:<5} {rows:>4} {name:>5} {t * 1e3:8.3f} {weight_bytes / t / 1e9:7.1f} "
+                      f"{times[0] / t:9.2f}x")
+
+
 SECTIONS: dict[str, Callable[[int, Callable[[], float]], None]] = {
-    "attention": attention_section, "decode-paths": decode_paths_section}
+    "attention": attention_section, "decode-paths": decode_paths_section, "half-linear": half_linear_section}
 
 
 def main() -> None:
@@ -157,7 +204,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: this thread's CPU time (steady under load, meaningful with --threads 1)")
+    ap.add_argument("--half-shapes", default=None, help="half-linear's N x K shapes, e.g. 2048x2048,8192x2048")
     args = ap.parse_args()
+    if args.half_shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.half_shapes.split(",")]
+        SECTIONS["half-linear"] = lambda reps, clock: half_linear_section(reps, clock, shapes)
     reason = native_unavailable_reason()
     if reason is not None:
         raise SystemExit(f"the native library cannot run: {reason}")

@@ -7,10 +7,12 @@
     how many of the --new-tokens greedy tokens match fp32's before the first difference,
     and how many prompts give fp32's whole continuation.
 
-Modes: none (fp32, the reference), q8_0 / q4_0 / q4_1 (quantised from fp32 at load) and
-gguf (the file's own blocks: Q4_1 layers, Q8_0 tied head). Native kernels.
+Modes: none (fp32, the reference), q8_0 / q4_0 / q4_1 (quantised from fp32 at load),
+gguf (the file's own blocks: Q4_1 layers, Q8_0 tied head), and bf16 / f16 (the fp32 model's
+matrices rounded to BF16 / F16 in a rewritten GGUF, run as stored with fp32 arithmetic:
+what a bf16 or f16 checkpoint costs against fp32). Native kernels.
 
-    .venv/bin/python benchmarks/quant_accuracy.py [--modes none,q8_0,q4_0,q4_1,gguf] [--model FILE.gguf]
+    .venv/bin/python benchmarks/quant_accuracy.py [--modes none,q8_0,q4_0,q4_1,gguf,bf16,f16] [--model FILE.gguf]
 
 (`--model`: another GGUF, e.g. a llama-quantize Q4_K_M file; none is then its blocks
 inflated to fp32 and gguf its blocks with int8 activations.)
@@ -20,10 +22,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -32,7 +36,9 @@ from model_utils import greedy_generate, prefill_logits  # noqa: E402
 
 from pagedserve.attention.selector import get_backend  # noqa: E402
 from pagedserve.kernels import resolve_kernels  # noqa: E402
-from pagedserve.model.loader import load_model  # noqa: E402
+from pagedserve.model.gguf_rewrite import rewrite_gguf  # noqa: E402
+from pagedserve.model.loader import LoadedModel, load_model  # noqa: E402
+from pagedserve.model.sources import resolve_model  # noqa: E402
 
 TEXT = ROOT / "tests" / "data" / "apache-2.0.txt"
 
@@ -49,6 +55,20 @@ def perplexity(model, ids: list[int], window: int) -> float:
     return math.exp(nll / count)
 
 
+HALF_MODES = {"bf16": GGMLQuantizationType.BF16, "f16": GGMLQuantizationType.F16}
+
+
+def load_mode(model: str | None, mode: str, scratch: Path) -> LoadedModel:
+    """The model as `mode` runs it: a half mode rewrites the file's matrices in that type
+    (norms stay F32) and keeps them as stored."""
+    if mode not in HALF_MODES:
+        return load_model(model, quantization=mode)
+    path = scratch / f"{mode}.gguf"
+    rewrite_gguf(resolve_model(model).path, path, lambda name, shape, qtype: HALF_MODES[mode] if len(shape) == 2
+                 else qtype)
+    return load_model(path, use_cache=False, keep_blocks=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="none,q8_0,q4_0,q4_1,gguf")
@@ -61,8 +81,9 @@ def main() -> None:
     kernels = resolve_kernels("native")
     reference: list[list[int]] | None = None
     print(f"{'mode':>6} {'perplexity':>11} {'greedy tokens = fp32':>22} {'prompts identical':>18}")
+    scratch = tempfile.TemporaryDirectory()
     for mode in args.modes.split(","):
-        loaded = load_model(args.model, quantization=mode)
+        loaded = load_mode(args.model, mode, Path(scratch.name))
         loaded.model.set_kernels(kernels)
         ids = loaded.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
         ppl = perplexity(loaded.model, ids, args.window)

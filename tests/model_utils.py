@@ -55,3 +55,24 @@ def greedy_generate(model, token_ids: list[int], max_new_tokens: int, backend=No
         new = [tok]
         ids.append(tok)
     return out
+
+
+def fp32_matrices(model: torch.nn.Module) -> list[str]:
+    """Every 2-D float32 tensor the model holds, parameters or plain attributes."""
+    found = [n for n, p in model.named_parameters() if p.dim() == 2 and p.dtype == torch.float32]
+    for name, m in model.named_modules():
+        found += [f"{name}.{k}" for k, v in vars(m).items()
+                  if isinstance(v, torch.Tensor) and v.dim() == 2 and v.dtype == torch.float32]
+    return found
+
+
+def resident_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every tensor the model holds (parameters, buffers, plain attributes such as
+    packed tiles), each storage counted once (a tied head shares its embedding's)."""
+    storages: dict[int, int] = {}
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        if t.device.type != "meta":
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())

@@ -1,6 +1,6 @@
 """The fp32 linear op on GGUF blocks (kernels/csrc/dequant_linear.cpp): the fp32 model a
 GGUF's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrices define, computed from
-the blocks.
+the blocks, and likewise on F16 / BF16 weights as stored (each widens to fp32 exactly).
 
 Its arithmetic is defined exactly: each output is fma(x[k], w[k], acc) for k = 0 .. K-1 from
 acc = 0, with w[k] the dequantised weight (exact in fp32; gguf's own dequantiser gives the
@@ -25,11 +25,12 @@ from gguf.quants import quantize
 from kernel_paths import outputs_on_every_path
 from pagedserve.kernels import resolve_kernels
 from pagedserve.model.gguf_rewrite import quantize_k
-from pagedserve.model.quant import QTYPES, QuantEmbedding, QuantLinear, dequantize_blocks, quantize_blocks
+from pagedserve.model.quant import (BF16, QTYPES, QuantEmbedding, QuantLinear, dequantize_blocks, half_blocks,
+                                    quantize_blocks)
 
 resolve_kernels("native")  # loads the op library; a broken build fails here rather than skipping
 
-BLOCK_TYPES = ["q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
+BLOCK_TYPES = ["q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "f16", "bf16"]
 K_QUANTS = ("q4_k", "q5_k", "q6_k")
 
 
@@ -39,7 +40,7 @@ def blocks_of(name: str, w: torch.Tensor) -> tuple[torch.Tensor, int]:
     if name in QTYPES:
         return quantize_blocks(w, qtype), qtype
     raw = quantize_k(w.numpy(), T(qtype)) if name in K_QUANTS else quantize(w.numpy(), T(qtype))
-    return torch.from_numpy(np.ascontiguousarray(raw)), qtype
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8)), qtype  # F16 comes as float16
 
 
 def width(name: str, k: int) -> int:
@@ -144,3 +145,15 @@ def test_op_rejects_mismatched_arguments() -> None:
         torch.ops.pagedserve.quant_repack(layer.packed.new_zeros(16, 100), int(T.Q4_K))
     with pytest.raises(RuntimeError, match="quant_repack: qtype"):
         torch.ops.pagedserve.quant_repack(layer.packed.new_zeros(16, 100), int(T.IQ4_NL))
+
+
+def test_half_weights_have_only_the_fp32_form_and_whole_blocks() -> None:
+    w = weights(16, 64, seed=1).to(torch.bfloat16)
+    blocks = half_blocks(w)
+    assert blocks.dtype == torch.uint8 and blocks.shape == (16, 128) and blocks.data_ptr() == w.data_ptr()
+    assert half_blocks(w.float()) is None and half_blocks(w[:, :48].contiguous()) is None  # fp32; K not 32-aligned
+    layer = QuantLinear(blocks, BF16, activations="fp32")
+    with pytest.raises(ValueError, match="fp32 activations only"):
+        QuantLinear(blocks, BF16, activations="int8")
+    with pytest.raises(RuntimeError, match="no int8 form"):
+        torch.ops.pagedserve.quant_linear(torch.randn(1, 64), layer.packed, BF16, 16, None)

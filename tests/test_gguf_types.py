@@ -10,6 +10,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
+from model_utils import fp32_matrices
 from pagedserve.model.gguf_file import SUPPORTED_TYPES, GGUFFile, read_tensors
 from pagedserve.model.gguf_rewrite import IQ4_NL_VALUES, quantize_iq4_nl, quantize_k, rewrite_gguf
 from pagedserve.model.quant import ConcatLinear, QuantEmbedding, QuantLinear, widen_to_q8_0
@@ -86,15 +87,6 @@ def test_every_supported_type_reads_back_what_was_written(mixed_gguf):
     for ours, theirs in zip(fast, GGUFFile(mixed_gguf).tensors()):
         assert (ours.name, ours.qtype, ours.shape) == (theirs.name, theirs.qtype, theirs.shape)
         assert np.asarray(ours.raw).tobytes() == np.asarray(theirs.raw).tobytes(), ours.name
-
-
-def fp32_matrices(model: torch.nn.Module) -> list[str]:
-    """Every 2-D float32 tensor the model holds, parameters or plain attributes."""
-    found = [n for n, p in model.named_parameters() if p.dim() == 2 and p.dtype == torch.float32]
-    for name, m in model.named_modules():
-        found += [f"{name}.{k}" for k, v in vars(m).items()
-                  if isinstance(v, torch.Tensor) and v.dim() == 2 and v.dtype == torch.float32]
-    return found
 
 
 def test_a_mixed_file_runs_on_native_blocks_with_the_dense_models_tokens(mixed_gguf):

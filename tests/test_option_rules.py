@@ -111,6 +111,13 @@ def test_resolve_fills_what_follows_from_the_other_options_and_is_idempotent():
         assert config.resolve(config.device) == config
 
 
+def test_gguf_weights_auto_keeps_narrow_weights_as_stored_unless_dtype_float32_is_asked_for():
+    resolved = [EngineConfig(quantization="none", **o).resolve("cpu").gguf_weights
+                for o in ({}, dict(dtype="float32"), dict(dtype="float32", gguf_weights="blocks"),
+                          dict(gguf_weights="dense"))]
+    assert resolved == ["blocks", "dense", "blocks", "dense"]
+
+
 def test_every_flag_is_typed_by_its_field_and_parses_to_the_defaults():
     parser = argparse.ArgumentParser()
     EngineConfig.add_cli_args(parser)

@@ -96,10 +96,11 @@ class EngineConfig:
                 "activations), CPU-only, on the native kernels; fp8 (e4m3 with per-channel scales, through "
                 "torch._scaled_mm)", str, ENGINE_QUANTIZATION)
     gguf_weights: str = option(
-        "blocks", "with --quantization none: blocks (a GGUF's Q4_0/Q4_1/Q8_0 matrices read in place and multiplied "
-                  "in fp32 by the native kernels: the same model at a sixth of the bytes, fastest at small batches) "
-                  "or dense (inflated to fp32 matrices for oneDNN, which can be faster at large batches on AVX-512)",
-        str, GGUF_WEIGHTS)
+        "auto", "with --quantization none, weights stored narrower than fp32 (a GGUF's blocks and F16/BF16 "
+                "tensors, a bf16/f16 safetensors folder's matrices): blocks (read as stored and multiplied in fp32 "
+                "by the native kernels: the same model at 1/6 to 1/2 of the bytes, fastest at small batches), "
+                "dense (inflated to fp32 matrices for oneDNN, which can be faster at large batches on AVX-512) or "
+                "auto (blocks, unless --dtype float32 asks for float32 weights)", str, GGUF_WEIGHTS)
     kv_cache_dtype: str = option(
         "auto", "KV cache elements: auto (fp16 beside a GGUF's int8 path, as llama.cpp; else the model's dtype), "
                 "fp32, fp16 (half the bytes), fp8_e4m3 or fp8_e5m2 (a quarter); "
@@ -179,9 +180,10 @@ class EngineConfig:
 
     def resolve(self, device: str, loaded_as: str | None = None) -> EngineConfig:
         """This config checked against every rule about which options go together, then with
-        the defaults that follow from other options filled in: kernels, dtype, quantization and
-        kv_cache_dtype concrete, enable_prefix_caching set, and cuda's fixed token budget. The one
-        place those rules live (docs/architecture.md); nothing the engine builds rewrites them.
+        the defaults that follow from other options filled in: kernels, dtype, quantization,
+        kv_cache_dtype and gguf_weights concrete, enable_prefix_caching set, and cuda's fixed
+        token budget. The one place those rules live (docs/architecture.md); nothing the
+        engine builds rewrites them.
 
         `device`: "cpu" or "cuda", what `self.device` resolved to (model/device.resolve_device_name).
         `loaded_as`: the quantization of a model the caller loaded; None when the engine loads it.
@@ -204,8 +206,11 @@ class EngineConfig:
         # decode attention reads; llama.cpp stores f16 too. Beside fp32 weights "auto" stays
         # the model's dtype, so the fp32 path remains the exact oracle of transformers.
         kv_cache_dtype = "fp16" if self.kv_cache_dtype == "auto" and quantization == "gguf" else self.kv_cache_dtype
+        # An explicit --dtype float32 holds every weight as an fp32 matrix: the exact oneDNN path.
+        gguf_weights = self.gguf_weights if self.gguf_weights != "auto" else \
+            "dense" if self.dtype == "float32" else "blocks"
         return replace(self, device=device, kernels=kernels, dtype=resolve_dtype_name(self.dtype, device),
-                       quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                       quantization=quantization, kv_cache_dtype=kv_cache_dtype, gguf_weights=gguf_weights,
                        enable_prefix_caching=self.kv_layout == "paged" if self.enable_prefix_caching is None
                        else self.enable_prefix_caching,
                        max_num_batched_tokens=max_num_batched_tokens)

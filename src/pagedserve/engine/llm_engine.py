@@ -164,7 +164,7 @@ class LLMEngine:
         self.tp = TensorParallelExecutor(config) if config.tensor_parallel_size > 1 else None
         self.kernels = config.kernels
         try:
-            # fp32 on the native kernels reads a GGUF's Q4/Q8 blocks in place (the same model).
+            # fp32 on the native kernels reads a GGUF's blocks and 16-bit float weights as stored (the same model).
             self._build(config, loaded or (self.tp.loaded if self.tp is not None else load_model(
                 config.model, quantization=placement.load_quantization,
                 pack=None if placement.keeps_loaded_model else False,

@@ -22,8 +22,9 @@ QTYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
 # --quantization: none = --dtype; gguf = a GGUF file's own blocks where a kernel reads them;
 # fp8 = e4m3 weights with per-channel scales, made when the model is placed (model/fp8.py).
 QUANTIZATION_CHOICES = ("none", *QTYPES, "gguf", "fp8")
-# How fp32 layers hold a GGUF file's quantised matrices (EngineConfig.gguf_weights).
-GGUF_WEIGHTS = ("blocks", "dense")
+# How fp32 layers hold weights stored narrower than fp32: a GGUF's blocks, F16/BF16 matrices
+# (EngineConfig.gguf_weights; auto resolves to one of the others).
+GGUF_WEIGHTS = ("auto", "blocks", "dense")
 
 
 # Far above any Llama-family model (Llama 3 405B: hidden 16384, 126 layers, 128k context)

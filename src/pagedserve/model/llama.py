@@ -18,7 +18,7 @@ from ..attention.backend import AttentionBackend
 from ..attention.metadata import AttentionMetadata
 from .config import ModelConfig
 from .lora import LoRABatch
-from .quant import QTYPES, ConcatLinear, QuantEmbedding, QuantLinear, type_name
+from .quant import QTYPES, ConcatLinear, QuantEmbedding, QuantLinear, arithmetic, held_as
 
 
 class RotaryEmbedding(nn.Module):
@@ -238,13 +238,12 @@ class LlamaModel(nn.Module):
         and their GGML types (a tuple, with a list of tensors, for a matrix of parts): those
         layers (and a tied head, sharing the embedding's tiles) run on the blocks as they are,
         in fp32 arithmetic when `quantization` is none (the fp32 model the blocks define) and
-        in llama.cpp's int8 otherwise. q8_0 / q4_0 / q4_1 quantises every fp32
+        in llama.cpp's int8 otherwise (F16 / BF16 weights, kept as stored, always in fp32). q8_0 / q4_0 / q4_1 quantises every fp32
         linear layer at load, and the head to q8_0; the embedding stays fp32 (it is only indexed)."""
         state = dict(state)
         divisors = state.pop("rope_freq_divisors", None)
         if divisors is not None:
             self.rotary.set_freq_divisors(divisors)
-        activations = "fp32" if quantization == "none" else "int8"
         for name, qtype in (qtypes or {}).items():
             path = name.removesuffix(".weight")
             blocks, bias = state.pop(name), state.pop(f"{path}.bias", None)
@@ -256,15 +255,16 @@ class LlamaModel(nn.Module):
                     run_blocks = [b for b, _ in run]
                     rows = sum(b.shape[0] for b in run_blocks)
                     part_bias = None if bias is None else bias[row:row + rows]
-                    layers.append(QuantLinear(run_blocks, t, part_bias, activations))
+                    layers.append(QuantLinear(run_blocks, t, part_bias, arithmetic(t, quantization)))
                     row += rows
                 self.set_submodule(path, layers[0] if len(layers) == 1 else ConcatLinear(layers))
             else:
-                self.set_submodule(path, QuantLinear(blocks, qtype, bias, activations))
+                self.set_submodule(path, QuantLinear(blocks, qtype, bias, arithmetic(qtype, quantization)))
         self.load_state_dict(state, strict=True, assign=True)
         if self.lm_head is None:
             if isinstance(self.embed, QuantEmbedding):
-                self.lm_head = QuantLinear(self.embed, self.embed.qtype, activations=activations)
+                self.lm_head = QuantLinear(self.embed, self.embed.qtype,
+                                           activations=arithmetic(self.embed.qtype, quantization))
             else:
                 self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
                 self.lm_head.weight = self.embed.weight  # packing copies it; the embedding keeps its own
@@ -309,13 +309,13 @@ class LlamaModel(nn.Module):
         fp32 (oneDNN packed)": the start-up log says what a file's types became."""
         def path(m: nn.Module) -> str:
             if isinstance(m, QuantLinear):
-                return f"on {type_name(m.qtype)} blocks ({m.activations} arithmetic)"
+                return m.describe()
             if isinstance(m, Linear):
                 return "fp32 (oneDNN packed)" if m.weight is None else f"{m.weight.dtype} (torch)"
             return type(m).__name__
         modules = [m for _, m in self.named_linears()]
         counts = Counter(path(p) for m in modules for p in (m.parts if isinstance(m, ConcatLinear) else [m]))
-        embed = f"embedding on {type_name(self.embed.qtype)} blocks" if isinstance(self.embed, QuantEmbedding) \
+        embed = f"embedding {held_as(self.embed.qtype)}" if isinstance(self.embed, QuantEmbedding) \
             else f"embedding {self.embed.weight.dtype}"
         return ", ".join(f"{n} {p}" for p, n in counts.most_common()) + f"; {embed}"
 

@@ -29,7 +29,8 @@ from .gguf_file import GGUFFile, read_tensors
 from .llama import LlamaModel
 from .sources import ModelSource, file_digest, gguf_cache_dir, resolve_model  # noqa: F401  (re-exported)
 from .tokenizer import Tokenizer
-from .weights import fuse_gguf_blocks, fuse_hf_tensors, hf_tensors_from_gguf, hf_tensors_from_safetensors
+from .weights import (fuse_gguf_blocks, fuse_hf_tensors, fuse_stored_halves, hf_tensors_from_gguf,
+                      hf_tensors_from_safetensors)
 
 logger = logging.getLogger(__name__)
 
@@ -164,9 +165,11 @@ def load_model(
     """`pack`: prepack linear weights for oneDNN (build_model); default when available.
     `quantization`: none (fp32), q8_0 / q4_0 / q4_1 (quantised from fp32 at load), or gguf
     (a GGUF's matrices kept in the file's own blocks where a native kernel reads them).
-    `keep_blocks` (quantization none, a GGUF file, the native kernels): the same blocks kept,
-    multiplied in fp32 (dequant_linear) instead of inflated to fp32 matrices: the same
-    model, ~6x fewer weight bytes read per step with Q4_1; ignored for other sources."""
+    `keep_blocks` (quantization none, the native kernels): a GGUF's blocks, and the float16 /
+    bfloat16 matrices of a GGUF or a safetensors folder, kept as stored and multiplied in
+    fp32 (dequant_linear) instead of inflated to fp32 matrices: the same model, ~6x fewer
+    weight bytes read per step with Q4_1, 2x with BF16. (F16 / BF16 GGUF tensors are kept
+    with quantization gguf too, with fp32 activations: they have no int8 form.)"""
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}")
     source = resolve_model(model)
@@ -182,7 +185,10 @@ def load_model(
         config, state, tokenizer = converted.config, converted.state, converted.tokenizer
     else:
         config = ModelConfig.from_hf_config(source.path / "config.json")
-        state = fuse_hf_tensors(hf_tensors_from_safetensors(source.path), config)
+        if keep_blocks and quantization == "none":
+            state, qtypes = fuse_stored_halves(hf_tensors_from_safetensors(source.path, as_stored=True), config)
+        else:
+            state = fuse_hf_tensors(hf_tensors_from_safetensors(source.path), config)
         tokenizer = Tokenizer.from_pretrained(source.path)
     built = build_model(config, state, pack=pack, quantization=quantization, qtypes=qtypes)
     return LoadedModel(source.name, source, config, built, tokenizer, quantization)

@@ -1,5 +1,6 @@
 """Weight-only quantisation in llama.cpp's block formats, and the linear and embedding
-modules that run on a GGUF file's blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K).
+modules that run on a GGUF file's blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
+or on 16-bit float weights as stored (F16, BF16: a GGUF's tensors or a safetensors folder's).
 
 A block is 32 consecutive input values of one output row, stored exactly as a GGUF
 file stores it (so `gguf.quants` reads our bytes and we read a file's bytes as they
@@ -14,7 +15,8 @@ of two ways: `activations="int8"` (kernels/csrc/quant_linear.cpp) quantises each
 activations too and multiplies in integers, llama.cpp's way; `activations="fp32"`
 (dequant_linear.cpp) dequantises the weights in registers and multiplies in fp32, which is
 the fp32 model the blocks define, exactly, at about the blocks' bytes per weight
-(quant_linear.h's PackedLayout). There is no
+(quant_linear.h's PackedLayout). F16 and BF16 weights widen to fp32 exactly, so they have
+only the fp32 form: their layers multiply in fp32 whatever the other layers do. There is no
 pure-torch forward, since dequantising every call would be slower than the fp32 layer it
 replaces: these layers need the native kernels.
 """
@@ -33,6 +35,31 @@ BLOCK = 32
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # the types quantize_blocks writes
 # GGML types the native ops (fp32 and int8 activations alike) read on their own blocks.
 NATIVE_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
+# 16-bit float weights as stored (GGML F16, BF16), which the fp32 op alone reads: half of
+# fp32's bytes, the same numbers.
+F16, BF16 = 1, 30
+HALF_TYPES = frozenset({F16, BF16})
+HALF_DTYPES = {torch.float16: F16, torch.bfloat16: BF16}
+
+
+def half_blocks(w: torch.Tensor) -> torch.Tensor | None:
+    """A float16 / bfloat16 matrix [N, K] as the ops' rows of stored bytes, uint8 [N, 2K] (a
+    view, no copy), or None where the op cannot read it: another dtype, or K not a multiple
+    of 32 (the tiles' block)."""
+    if w.dtype not in HALF_DTYPES or w.dim() != 2 or w.shape[1] % BLOCK:
+        return None
+    return w.contiguous().view(torch.uint8)
+
+
+def held_as(qtype: int) -> str:
+    """How the start-up log names weights kept in `qtype`: "on Q4_K blocks", "BF16 as stored"."""
+    return f"{type_name(qtype)} as stored" if qtype in HALF_TYPES else f"on {type_name(qtype)} blocks"
+
+
+def arithmetic(qtype: int, quantization: str) -> str:
+    """The activations a layer on `qtype` runs with (ACTIVATIONS): fp32 under quantization
+    none and for 16-bit float weights (which have no int8 form), int8 otherwise."""
+    return "fp32" if quantization == "none" or qtype in HALF_TYPES else "int8"
 
 
 def type_name(qtype: int) -> str:
@@ -93,6 +120,8 @@ def quantize_blocks(w: torch.Tensor, qtype: int) -> torch.Tensor:
 def dequantize_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     """GGUF blocks uint8 [N, row bytes] -> fp32 [N, K] (types beyond quantize_blocks' three by
     gguf's own dequantiser)."""
+    if qtype in HALF_TYPES:
+        return blocks.contiguous().view(torch.float16 if qtype == F16 else torch.bfloat16).float()
     if qtype not in BLOCK_BYTES:
         values = gguf_dequantize(blocks.numpy(), GGMLQuantizationType(qtype))
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(blocks.shape[0], -1)
@@ -161,19 +190,22 @@ def pack(blocks: torch.Tensor | list[torch.Tensor], qtype: int) -> tuple[torch.T
 
 
 class QuantLinear(nn.Module):
-    """A linear layer on GGUF blocks (NATIVE_TYPES); `bias` (fp32) optional; `activations`
-    int8 (quantised on the fly) or fp32 (the dequantised weights' exact fp32 product)."""
+    """A linear layer on GGUF blocks (NATIVE_TYPES) or 16-bit floats as stored (HALF_TYPES,
+    fp32 activations only); `bias` (fp32) optional; `activations` int8 (quantised on the
+    fly) or fp32 (the dequantised weights' exact fp32 product)."""
 
     def __init__(self, blocks: torch.Tensor | list[torch.Tensor] | QuantEmbedding, qtype: int,
                  bias: torch.Tensor | None = None, activations: str = "int8"):
         """`blocks`: uint8 [rows, row bytes], a list of them stacked as rows (a fused matrix's
         parts, packed one by one), or a QuantEmbedding whose tiles a tied head shares."""
         super().__init__()
-        if qtype not in NATIVE_TYPES:
+        if qtype not in NATIVE_TYPES | HALF_TYPES:
             raise ValueError(f"unsupported qtype {qtype}; supported: "
-                             + ", ".join(f"{type_name(t)} ({t})" for t in sorted(NATIVE_TYPES)))
+                             + ", ".join(f"{type_name(t)} ({t})" for t in sorted(NATIVE_TYPES | HALF_TYPES)))
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+        if activations == "int8" and qtype in HALF_TYPES:
+            raise ValueError(f"{type_name(qtype)} weights run with fp32 activations only, got activations='int8'")
         self.activations = activations
         self.qtype = qtype
         # Plain attributes, not parameters or buffers: the model's state dict keeps the
@@ -192,6 +224,10 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._op(x, self.packed, self.qtype, self.out_features, self.bias)
+
+    def describe(self) -> str:
+        """What the start-up log calls this layer's path, e.g. "on Q4_K blocks (int8 arithmetic)"."""
+        return f"{held_as(self.qtype)} ({self.activations} arithmetic)"
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {type_name(self.qtype)}, "
@@ -219,7 +255,7 @@ class QuantEmbedding(nn.Module):
 
     def __init__(self, blocks: torch.Tensor, qtype: int):
         super().__init__()
-        if qtype not in NATIVE_TYPES:
+        if qtype not in NATIVE_TYPES | HALF_TYPES:
             raise ValueError(f"unsupported qtype {qtype} for an embedding on blocks")
         self.qtype = qtype
         self.packed, self.rows, self.dim = pack(blocks, qtype)

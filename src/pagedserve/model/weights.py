@@ -1,4 +1,5 @@
-"""Turn a checkpoint (GGUF or HF safetensors) into pagedserve's fused float32 state dict.
+"""Turn a checkpoint (GGUF or HF safetensors) into pagedserve's fused state dict: float32,
+or with the matrices a native kernel reads kept as stored (GGUF blocks, F16 / BF16).
 
 Both sources are first mapped to Hugging Face parameter names and layout, then
 fused the way the model computes: q/k/v as one matrix, gate/up as one matrix, so a
@@ -18,7 +19,7 @@ import torch
 
 from .config import QTYPES, ModelConfig
 from .gguf_file import GGUFTensor
-from .quant import IQ4_NL, NATIVE_TYPES, dequantize_blocks, widen_to_q8_0
+from .quant import HALF_DTYPES, HALF_TYPES, IQ4_NL, NATIVE_TYPES, dequantize_blocks, half_blocks, widen_to_q8_0
 
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -80,9 +81,9 @@ def hf_tensors_from_gguf(
         name = _hf_name_for_gguf(t.name)
         if name is None:
             raise ValueError(f"unexpected tensor {t.name!r} in a {config.architecture} model")
-        if t.qtype in keep_blocks and len(t.shape) == 2:
-            # Views of the file's memory map: the model's packing copies them once.
-            w = np.asarray(t.raw).reshape(t.shape[0], -1)
+        if t.qtype in keep_blocks and len(t.shape) == 2 and (t.qtype not in HALF_TYPES or t.shape[1] % 32 == 0):
+            # Views of the file's memory map (F16's as bytes): the model's packing copies them once.
+            w = np.asarray(t.raw).view(np.uint8).reshape(t.shape[0], -1)
         elif t.qtype in widen and len(t.shape) == 2:
             w = widen_to_q8_0(torch.from_numpy(np.asarray(t.raw).reshape(t.shape[0], -1))).numpy()
         else:
@@ -103,7 +104,8 @@ def _tensor(w: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(w)
 
 
-def hf_tensors_from_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+def hf_tensors_from_safetensors(folder: Path, as_stored: bool = False) -> dict[str, torch.Tensor]:
+    """The folder's tensors in float32, or `as_stored` in the dtypes the files hold."""
     from safetensors.torch import load_file
 
     files = sorted(folder.glob("*.safetensors"))
@@ -111,7 +113,7 @@ def hf_tensors_from_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
     out: dict[str, torch.Tensor] = {}
     for f in files:
-        out.update({k: v.float() for k, v in load_file(f).items()})
+        out.update({k: v if as_stored else v.float() for k, v in load_file(f).items()})
     return out
 
 
@@ -182,15 +184,38 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
 def fuse_gguf_blocks(tensors: list[GGUFTensor], config: ModelConfig
                      ) -> tuple[dict[str, Any], dict[str, int | tuple[int, ...]]]:
     """The fused state dict with every matrix that a native kernel reads kept in its GGUF
-    blocks (memory-mapped views of the file), and those matrices' GGML types. IQ4_NL
-    matrices arrive widened to Q8_0 (quant.widen_to_q8_0). A fused matrix of several parts
-    (q, k, v) is a list of them with a tuple of their types, not concatenated here: the
-    layer packs them one at a time (no second copy of the model at load), and Q4_K_M
-    stores v in Q6_K beside q and k in Q4_K. One with a part that has no kernel (F16, say)
-    is fp32."""
+    blocks (memory-mapped views of the file; F16 / BF16 ones as their bytes), and those
+    matrices' GGML types. IQ4_NL matrices arrive widened to Q8_0 (quant.widen_to_q8_0). A
+    fused matrix of several parts (q, k, v) is a list of them with a tuple of their types,
+    not concatenated here: the layer packs them one at a time (no second copy of the model
+    at load), and Q4_K_M stores v in Q6_K beside q and k in Q4_K. One with a part that has
+    no kernel (an F32 matrix, say) is fp32."""
     widen = {IQ4_NL}
     types = {_hf_name_for_gguf(t.name): QTYPES["q8_0"] if t.qtype in widen else int(t.qtype) for t in tensors}
-    hf = hf_tensors_from_gguf(tensors, config, keep_blocks=NATIVE_TYPES - widen, widen=widen)
+    hf = hf_tensors_from_gguf(tensors, config, keep_blocks=(NATIVE_TYPES | HALF_TYPES) - widen, widen=widen)
+    return _fuse_kept(hf, types, config)
+
+
+def fuse_stored_halves(hf: dict[str, torch.Tensor], config: ModelConfig
+                       ) -> tuple[dict[str, Any], dict[str, int | tuple[int, ...]]]:
+    """fuse_gguf_blocks for a safetensors folder read as stored: its float16 / bfloat16
+    matrices kept as their bytes (quant.half_blocks: F16 / BF16 for the fp32 op, no float32
+    copy), everything else (norms, biases, fp32 or unaligned matrices) in float32."""
+    matrices = {p for parts in fused_matrices(config, hf).values() for p in parts}
+    kept, types = {}, {}
+    for name, t in hf.items():
+        blocks = half_blocks(t) if name in matrices else None
+        if blocks is not None:
+            types[name] = HALF_DTYPES[t.dtype]
+        kept[name] = t.float() if blocks is None else blocks
+    return _fuse_kept(kept, types, config)
+
+
+def _fuse_kept(hf: dict[str, torch.Tensor], types: dict[str, int], config: ModelConfig
+               ) -> tuple[dict[str, Any], dict[str, int | tuple[int, ...]]]:
+    """Fuse `hf`, whose uint8 tensors are kept blocks of GGML type types[name]: a fused
+    matrix whose parts are all kept stays a list of them (with a tuple of types); the kept
+    parts of any other are dequantised to fp32."""
     qtypes: dict[str, int | tuple[int, ...]] = {}
     for fused, parts in fused_matrices(config, hf).items():
         if all(hf[p].dtype == torch.uint8 for p in parts):

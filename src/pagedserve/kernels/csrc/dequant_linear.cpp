@@ -1,6 +1,7 @@
 // y = x W^T + b in fp32, W read from the packed tiles of quant_repack (quant_linear.h) and
 // dequantised in registers: the fp32 model a GGUF file defines, at about the file's bytes
-// per weight. Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K.
+// per weight. Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, and F16 / BF16 weights
+// as stored (a bf16 Hugging Face checkpoint's fp32 model at half its fp32 bytes).
 //
 // Why: a GGUF's fp32 model is its blocks dequantised, so an fp32 layer built from the file
 // holds nothing the blocks do not; reading the blocks instead of the inflated fp32 matrix
@@ -307,6 +308,8 @@ at::Tensor dequant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
       case kQ4_K: return run<kQ4_K>(t0, nt, m, tiles, stride, nb, src, k, dst, out_features, bias_ptr, avx512);
       case kQ5_K: return run<kQ5_K>(t0, nt, m, tiles, stride, nb, src, k, dst, out_features, bias_ptr, avx512);
       case kQ6_K: return run<kQ6_K>(t0, nt, m, tiles, stride, nb, src, k, dst, out_features, bias_ptr, avx512);
+      case kF16: return run<kF16>(t0, nt, m, tiles, stride, nb, src, k, dst, out_features, bias_ptr, avx512);
+      case kBF16: return run<kBF16>(t0, nt, m, tiles, stride, nb, src, k, dst, out_features, bias_ptr, avx512);
     }
   });
   return out;

@@ -435,6 +435,7 @@ void run_groups(int64_t g0, int64_t g1, bool quad, int64_t m, const uint8_t* til
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t qtype, int64_t out_features,
                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(!is_half(qtype), "quant_linear: F16 / BF16 weights have no int8 form; dequant_linear reads them");
   auto [in, out, bias_padded, k, nb, ng, m] = check_tiled_linear("quant_linear", x, packed, qtype, out_features, bias);
   if (m == 0) return out;
 

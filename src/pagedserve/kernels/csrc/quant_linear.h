@@ -6,6 +6,7 @@
 //   Q4_K (12), Q5_K (13): super-blocks of 256 = 8 blocks of 32, fp16 d and dmin, a 6-bit
 //     scale s and min n per block: w = (d * s) * q - (dmin * n), q of 4 or 5 bits
 //   Q6_K (14): super-blocks of 256, fp16 d, an int8 scale per 16 values: w = (d * s) * (q - 32)
+//   F16 (1), BF16 (30): the weights as stored, 2 bytes each, no scale (a "block" is 32 of them)
 // A block covers 32 consecutive input values of one output row; in a 4-bit block byte j
 // holds value j in its low nibble and value j + 16 in its high nibble.
 #pragma once
@@ -20,7 +21,9 @@ namespace pagedserve::quant {
 constexpr int64_t kBlock = 32;    // input values per block
 constexpr int64_t kTileCols = 8;  // output columns interleaved in a packed tile (one ymm of fp32 results)
 
-enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum QType : int64_t {
+  kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30
+};
 
 // How quant_repack lays out a type's weights for 8 output columns: per super-block (256
 // values for K-quants, one block of 32 otherwise) a header, then one tile per block of 32.
@@ -34,6 +37,9 @@ enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ
 //   Q6_K:       header [8 fp16 d]; tile [8 int8 s of values 0-15][8 of 16-31][nibbles as Q4]
 //               [2 x 32: bits 4-5 of value 8v+t at bits 4(v%2), of 8v+4+t at 4(v%2)+2, in byte t
 //               of lane j of vector v/2]
+//   F16, BF16:  tile [32 x 16: row k holds value k of the 8 columns, 2 bytes each]
+// (F16 and BF16 values widen to fp32 exactly, so their weights too are the fp32 numbers the
+// file defines; nothing multiplies them.)
 // Each value is then one fma of its integer code with two fp32 numbers made exactly from
 // the file's (d * s has at most 18 significant bits): the fp32 value the file defines.
 struct PackedLayout {
@@ -54,6 +60,8 @@ constexpr PackedLayout packed_layout(int64_t qtype) {
     case kQ4_K: return {8, 32, 16 + 128, 144};
     case kQ5_K: return {8, 32, 16 + 128 + 32, 176};
     case kQ6_K: return {8, 16, 16 + 128 + 64, 210};
+    case kF16:
+    case kBF16: return {1, 0, 32 * 16, 64};
     default: return {0, 0, 0, 0};
   }
 }
@@ -64,6 +72,9 @@ constexpr int hi_bits(int64_t qtype) {
   return qtype == kQ6_K ? 2 : (qtype == kQ5_0 || qtype == kQ5_1 || qtype == kQ5_K) ? 1 : 0;
 }
 constexpr int64_t scale_bytes(int64_t qtype) { return packed_layout(qtype).blocks == 1 ? 32 : 16; }
+
+// Weights stored as 16-bit floats: read by the fp32 op only (there is no int8 form of them).
+constexpr bool is_half(int64_t qtype) { return qtype == kF16 || qtype == kBF16; }
 
 // Bytes of one Q4_0 / Q4_1 / Q8_0 tile (the int8 op's types: one block per super-block).
 inline int64_t tile_bytes(int64_t qtype) { return packed_layout(qtype).tile; }

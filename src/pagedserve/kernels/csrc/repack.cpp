@@ -30,6 +30,14 @@ inline uint32_t load_u32(const uint8_t* p) {
   return v;
 }
 
+// bf16 bits widened to fp32: the same number (bf16 is fp32's upper half).
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = uint32_t{h} << 16;
+  float v;
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
+
 // fp16 bits of -scale * (fp16 bits h), a power of two: exact unless it overflows fp16.
 inline uint16_t scaled_half(uint16_t h, float scale) {
   const float v = -scale * _cvtsh_ss(h);
@@ -84,6 +92,10 @@ void pack_column(int64_t qtype, const uint8_t* src, uint8_t* dst, int j) {
   const PackedLayout L = packed_layout(qtype);
   uint8_t q[kBlock];
   switch (qtype) {
+    case kF16:
+    case kBF16:
+      for (int k = 0; k < kBlock; ++k) std::memcpy(dst + 16 * k + 2 * j, src + 2 * k, 2);
+      return;
     case kQ8_0:
       std::memcpy(dst + 2 * j, src, 2);
       for (int c = 0; c < 8; ++c) std::memcpy(dst + 16 + 32 * c + 4 * j, src + 2 + 4 * c, 4);
@@ -160,8 +172,8 @@ void pack_column(int64_t qtype, const uint8_t* src, uint8_t* dst, int j) {
 // columns past N in the last tile are zero (scale 0), so they add nothing.
 at::Tensor quant_repack(const at::Tensor& blocks, int64_t qtype) {
   const PackedLayout L = packed_layout(qtype);
-  TORCH_CHECK(L.blocks != 0, "quant_repack: qtype must be a GGML type id of Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), "
-              "Q8_0 (8), Q4_K (12), Q5_K (13) or Q6_K (14), got ", qtype);
+  TORCH_CHECK(L.blocks != 0, "quant_repack: qtype must be a GGML type id of F16 (1), Q4_0 (2), Q4_1 (3), Q5_0 (6), "
+              "Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14) or BF16 (30), got ", qtype);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
               "quant_repack: blocks must be a contiguous uint8 [rows, row bytes] tensor");
   TORCH_CHECK(blocks.size(1) % L.gguf_bytes == 0, "quant_repack: row bytes ", blocks.size(1), " not a multiple of ",
@@ -183,6 +195,13 @@ at::Tensor quant_repack(const at::Tensor& blocks, int64_t qtype) {
 // Lane j's 32 values of one block tile: the fp32 numbers dequant_linear computes, by the
 // same operations (d * s exact, then one fma per value).
 void unpack_lane(int64_t qtype, const uint8_t* hdr, const uint8_t* tile, int j, float* out) {
+  if (is_half(qtype)) {
+    for (int i = 0; i < 32; ++i) {
+      const uint16_t h = load_u16(tile + 16 * i + 2 * j);
+      out[i] = qtype == kF16 ? _cvtsh_ss(h) : bf16_to_float(h);
+    }
+    return;
+  }
   if (qtype == kQ8_0) {
     const float d = _cvtsh_ss(load_u16(tile + 2 * j));
     for (int i = 0; i < 32; ++i)

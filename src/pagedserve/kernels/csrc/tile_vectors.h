@@ -20,6 +20,10 @@ struct V8 {
   static constexpr int64_t kCols = 8;
   static I ld(const uint8_t* p, int64_t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static F ph(const uint8_t* p, int64_t) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F bf(const uint8_t* p, int64_t) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  }
   static F u8(const uint8_t* p, int64_t) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
@@ -61,6 +65,11 @@ struct V16 {
   static constexpr int64_t kCols = 16;
   static I ld(const uint8_t* p, int64_t s) { return pair512(p, p + s); }
   static F ph(const uint8_t* p, int64_t s) { return halves512(p, p + s); }
+  static F bf(const uint8_t* p, int64_t s) {
+    const __m256i h = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + s)),
+                                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
   static __m128i bytes(const uint8_t* p, int64_t s) {
     return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)),
                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + s)));
