@@ -123,9 +123,10 @@ def quantize_as(values: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     return quantize(values, qtype)
 
 
-def _copy_metadata(reader: GGUFReader, writer: GGUFWriter) -> None:
+def copy_metadata(reader: GGUFReader, writer: GGUFWriter, keep: Callable[[str], bool] = lambda key: True) -> None:
+    """Every metadata entry of `reader` whose key `keep` takes, into `writer`."""
     for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+        if field.name.startswith("GGUF.") or field.name == "general.architecture" or not keep(field.name):
             continue  # the writer writes these itself
         main = field.types[0]
         sub = field.types[-1] if main == GGUFValueType.ARRAY else None
@@ -138,7 +139,7 @@ def rewrite_gguf(src: str | Path, dst: str | Path, choose: Chooser) -> dict[str,
     model = GGUFFile(src)
     reader = GGUFReader(src)
     writer = GGUFWriter(dst, model.architecture)
-    _copy_metadata(reader, writer)
+    copy_metadata(reader, writer)
     written = {}
     for t in model.tensors():
         qtype = choose(t.name, t.shape, t.qtype)

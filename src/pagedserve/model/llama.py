@@ -272,7 +272,7 @@ class LlamaModel(nn.Module):
             blocks, bias = state.pop(name), state.pop(f"{path}.bias", None)
             if path == "embed":
                 self.embed = QuantEmbedding(blocks, qtype)
-            elif blocks.dim() == 3:  # [experts, rows, row bytes]: an MoE layer's gate, up or down
+            elif isinstance(blocks, torch.Tensor) and blocks.dim() == 3:  # [experts, rows, row bytes]: experts
                 self.set_submodule(path, QuantExperts(blocks, qtype))
             elif isinstance(qtype, tuple):  # parts (q, k, v), packed a run of one type at a time
                 layers, row = [], 0
