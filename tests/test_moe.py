@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import transformers
-from engine_utils import assert_all_blocks_free, check_busy_batch, make_llm
+from engine_utils import assert_all_blocks_free, busy_batch_tokens, make_llm
 from model_utils import prefill_logits
 
 from pagedserve import SamplingParams
@@ -118,9 +118,14 @@ def kv_block_bytes(loaded) -> int:
 
 def test_moe_prefix_caching_and_preemption_keep_each_requests_tokens(qwen3_moe):
     assert any(isinstance(layer.moe.gate, ExpertStack) for layer in qwen3_moe.model.layers if layer.moe)
-    llm = make_llm(qwen3_moe, kv_cache_memory=40 * kv_block_bytes(qwen3_moe), max_num_batched_tokens=64,
-                   max_num_seqs=32)
-    check_busy_batch(llm, expect_preemption=True)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    roomy = busy_batch_tokens(make_llm(qwen3_moe, kv_cache_memory=256 * kv_block_bytes(qwen3_moe)), greedy)
+    # 16 blocks for six requests of up to ~100 tokens: they preempt one another.
+    llm = make_llm(qwen3_moe, kv_cache_memory=16 * kv_block_bytes(qwen3_moe), max_num_batched_tokens=64,
+                   max_num_seqs=6)
+    assert busy_batch_tokens(llm, greedy) == roomy
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
 
 
 def test_moe_parallel_samples_share_blocks_and_reproduce(qwen3_moe):
@@ -157,3 +162,36 @@ def test_moe_structured_output_is_valid_json_of_the_schema(qwen3_moe):
     busy = llm.generate(["Answer:", "Something else"], params, use_tqdm=False)[0].outputs[0].text
     assert busy == alone
     assert_all_blocks_free(llm)
+
+
+def test_bad_moe_settings_are_refused_by_name(tmp_path):
+    from pagedserve.model.config import ModelConfig
+
+    base = {"model_type": "mixtral", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_local_experts": 4, "num_experts_per_tok": 2}
+    path = tmp_path / "config.json"
+    for bad, message in (({"num_experts_per_tok": 5}, "top_k must be an integer in \\[1, 4\\]"),
+                         ({"num_local_experts": 0}, "num_experts must be"),
+                         ({"clip_qkv": -1.0}, "clip_qkv must be")):
+        path.write_text(json.dumps({**base, **bad}))
+        with pytest.raises(ValueError, match=message):
+            ModelConfig.from_hf_config(path)
+    path.write_text(json.dumps({**base, "model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32,
+                                "mlp_only_layers": [0]}))
+    assert ModelConfig.from_hf_config(path).moe.sparse_layers == (1,)
+
+
+def test_tensor_parallelism_and_moe_lora_are_refused(qwen3_moe, tmp_path):
+    from safetensors.torch import save_file
+
+    from pagedserve.distributed.sharding import TPShard
+    from pagedserve.model.lora import load_peft_adapter
+
+    with pytest.raises(ValueError, match="does not split a mixture of experts"):
+        TPShard(qwen3_moe.config, 0, 2)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
+    save_file({"base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight": torch.zeros(2, 64),
+               "base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight": torch.zeros(40, 2)},
+              tmp_path / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match="mixture of experts"):
+        load_peft_adapter(tmp_path, qwen3_moe.config, max_rank=8)

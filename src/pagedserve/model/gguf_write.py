@@ -19,7 +19,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 from .config import ModelConfig
-from .gguf_rewrite import copy_metadata, quantize_as
+from .gguf_rewrite import add_tensor_as, copy_metadata, finish
 from .moe_weights import stack_hf_experts
 from .weights import gguf_name_for_hf, hf_tensors_from_safetensors
 
@@ -83,13 +83,9 @@ def write_gguf(dst: str | Path, config: ModelConfig, hf: dict[str, torch.Tensor]
         elif arch == "llama" and hf_name.endswith("k_proj.weight"):
             values = llama_cpp_permute(values, config.num_kv_heads)
         qtype = GGMLQuantizationType.F32 if values.ndim == 1 else choose(name, values.shape)
-        data = quantize_as(np.ascontiguousarray(values), qtype)
-        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+        add_tensor_as(writer, name, np.ascontiguousarray(values), qtype)
         written[name] = qtype.name
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return written
 
 

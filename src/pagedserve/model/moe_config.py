@@ -56,7 +56,8 @@ def moe_from_hf(cfg: dict[str, Any], arch: str, num_layers: int) -> MoEConfig | 
     if arch not in _HF_KEYS:
         return None
     count_key, size_key, norm_default = _HF_KEYS[arch]
-    experts = int(cfg.get(count_key) or cfg.get("num_local_experts") or cfg["num_experts"])
+    # transformers writes either name for either architecture (its attribute_map).
+    experts = int(cfg[count_key] if count_key in cfg else cfg.get("num_local_experts", cfg.get("num_experts")))
     # Mixtral has no norm_topk_prob: it always renormalises.
     normalize = True if arch == "mixtral" else bool(cfg.get("norm_topk_prob", norm_default))
     step = int(cfg.get("decoder_sparse_step") or 1)
