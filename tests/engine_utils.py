@@ -17,6 +17,12 @@ def make_llm(loaded, **options) -> LLM:
     return llm
 
 
+def greedy_tokens(loaded, prompts: list[list[int]], max_tokens: int = 16) -> list[list[int]]:
+    """Each prompt's greedy tokens (ignoring EOS) through an engine over `loaded`."""
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in make_llm(loaded).generate(prompts, greedy, use_tqdm=False)]
+
+
 def assert_all_blocks_free(llm: LLM) -> None:
     stats = llm.stats()
     assert stats["kv_free_blocks"] == stats["kv_total_blocks"], stats

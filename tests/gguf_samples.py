@@ -7,10 +7,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
-from pagedserve.model.gguf_rewrite import copy_metadata, quantize_as
+from pagedserve.model.config import ModelConfig
+from pagedserve.model.gguf_write import write_gguf
 
 TOKENS = ["<|endoftext|>", "a", "b", "c", "ab", "Ġ", "Ġa", "bc"]
 MERGES = ["a b", "Ġ a", "b c"]
@@ -47,40 +48,11 @@ def sample_gguf_bytes(weights: np.ndarray | None = None) -> bytes:
         return path.read_bytes()
 
 
-def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp's converter's q/k row order (the loader's undo_llama_cpp_permute inverts it)."""
-    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def llama_gguf_from_hf(path: Path, model, tokenizer_gguf: Path,
                        choose: Callable[[str, tuple[int, ...]], GGMLQuantizationType]) -> None:
     """A transformers LlamaForCausalLM written as a llama GGUF the way llama.cpp's converter
-    writes one (its names, q/k rows permuted), each tensor in choose(gguf name, shape), with
-    the tokenizer of `tokenizer_gguf` (whose vocabulary the model's must be)."""
-    from pagedserve.model.weights import _hf_name_for_gguf
-
-    c = model.config
-    writer = GGUFWriter(path, "llama")
-    copy_metadata(GGUFReader(tokenizer_gguf), writer, prefix="tokenizer.")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    names = ["token_embd.weight", "output_norm.weight", *([] if c.tie_word_embeddings else ["output.weight"])]
-    names += [f"blk.{i}.{n}.weight" for i in range(c.num_hidden_layers) for n in (
-        "attn_q", "attn_k", "attn_v", "attn_output", "attn_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]
-    state = model.state_dict()
-    for name in names:
-        w = state[_hf_name_for_gguf(name)].float().numpy()
-        if ".attn_q." in name or ".attn_k." in name:
-            w = _llama_cpp_permute(w, c.num_attention_heads if ".attn_q." in name else c.num_key_value_heads)
-        data = quantize_as(np.ascontiguousarray(w), choose(name, w.shape))
-        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=choose(name, w.shape))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    writes one (gguf_write.write_gguf), each matrix in choose(gguf name, shape), with the
+    tokenizer of `tokenizer_gguf` (whose vocabulary the model's must be)."""
+    config_json = Path(path).with_suffix(".config.json")
+    model.config.to_json_file(config_json)
+    write_gguf(path, ModelConfig.from_hf_config(config_json), model.state_dict(), tokenizer_gguf, choose)

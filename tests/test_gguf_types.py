@@ -90,9 +90,8 @@ def test_every_supported_type_reads_back_what_was_written(mixed_gguf):
 
 
 def test_a_mixed_file_runs_on_native_blocks_with_the_dense_models_tokens(mixed_gguf):
-    from engine_utils import make_llm
+    from engine_utils import greedy_tokens
 
-    from pagedserve import SamplingParams
     from pagedserve.model.loader import load_model
 
     blocks = load_model(mixed_gguf, use_cache=False, keep_blocks=True)
@@ -108,11 +107,8 @@ def test_a_mixed_file_runs_on_native_blocks_with_the_dense_models_tokens(mixed_g
     assert kinds["layers.0.down"] == T.Q6_K and kinds["layers.1.down"] == T.Q4_K
 
     dense = load_model(mixed_gguf, use_cache=False)
-    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [[1, 504, 3458, 282, 4649, 314], list(range(100, 160))]
-    ours = [o.outputs[0].token_ids for o in make_llm(blocks).generate(prompts, greedy, use_tqdm=False)]
-    theirs = [o.outputs[0].token_ids for o in make_llm(dense).generate(prompts, greedy, use_tqdm=False)]
-    assert ours == theirs
+    assert greedy_tokens(blocks, prompts) == greedy_tokens(dense, prompts)
 
 
 @pytest.mark.parametrize("quantization, arithmetic", [("auto", "int8"), ("none", "fp32")])

@@ -57,6 +57,9 @@ class TPShard:
             raise ValueError(f"rank {self.rank} is outside tensor_parallel_size {n}")
         if c.num_heads % n:
             raise ValueError(f"tensor_parallel_size ({n}) must divide the model's {c.num_heads} attention heads")
+        if c.moe is not None:
+            raise ValueError("tensor parallelism does not split a mixture of experts (model/moe.py) yet; "
+                             "serve this model with tensor_parallel_size 1")
         if c.intermediate_size % n:
             raise ValueError(f"tensor_parallel_size ({n}) must divide the model's intermediate size "
                              f"({c.intermediate_size})")

@@ -6,6 +6,7 @@ only in flags (q/k/v bias, q/k RMSNorm, RoPE scaling, tied head).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 from collections.abc import Iterator
@@ -13,8 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .moe_config import MoEConfig, moe_from_gguf, moe_from_hf
+
 # Architectures this engine runs, keyed by GGUF `general.architecture` / HF `model_type`.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# Mixtral, Qwen3-MoE and OLMoE add experts (model/moe.py); a GGUF calls Mixtral "llama"
+# with experts and Qwen3-MoE "qwen3moe".
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen3moe", "olmoe")
+_QK_NORM = ("qwen3", "qwen3_moe", "qwen3moe", "olmoe")
 
 # Weight-only formats with a native kernel, by GGML type id (gguf.GGMLQuantizationType),
 # the id the native op takes.
@@ -54,6 +60,9 @@ class ModelConfig:
     # HF `rope_scaling` (llama3 type supported). A llama3 GGUF carries the same
     # information as a `rope_freqs` tensor of per-dimension divisors instead.
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    qk_norm_whole: bool = False  # OLMoE: one RMSNorm over all of q's (and k's) heads, not one per head
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] after the norms
+    moe: MoEConfig | None = None  # the experts (model/moe.py); None for a dense model
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -70,6 +79,13 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.clip_qkv is not None and (isinstance(self.clip_qkv, bool) or not isinstance(self.clip_qkv, (int, float))
+                                          or not math.isfinite(self.clip_qkv) or self.clip_qkv <= 0):
+            raise ValueError(f"clip_qkv must be a finite number > 0 or null, got {self.clip_qkv!r}")
+        if isinstance(self.moe, dict):  # as to_dict (and the loader's cache) writes it
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
+        if self.moe is not None:
+            self.moe.check_layers(self.num_layers)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
 
@@ -78,13 +94,19 @@ class ModelConfig:
         """Parameters touched per token (the tied embedding counted once, as the head)."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size
-        return self.num_layers * per_layer + self.vocab_size * h
+        total = self.num_layers * per_layer + self.vocab_size * h
+        if self.moe is not None:  # a sparse layer's MLP is its router and top_k experts
+            sparse = 3 * h * (self.moe.top_k * self.moe.expert_size - self.intermediate_size) + h * self.moe.num_experts
+            total += len(self.moe.sparse_layers) * sparse
+        return total
 
     def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out["moe"] = None if self.moe is None else dataclasses.asdict(self.moe)
+        return out
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> "ModelConfig":
@@ -105,12 +127,13 @@ class ModelConfig:
         hidden = int(get("embedding_length"))
         num_heads = int(get("attention.head_count"))
         vocab = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
+        layers = int(get("block_count"))
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
+            num_layers=layers,
             num_heads=num_heads,
             num_kv_heads=int(get("attention.head_count_kv", num_heads)),
             head_dim=int(get("attention.key_length", hidden // num_heads)),
@@ -120,7 +143,10 @@ class ModelConfig:
             # Tied when the file has no separate output matrix; the loader decides.
             tie_word_embeddings=False,
             attention_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in _QK_NORM,
+            qk_norm_whole=arch == "olmoe",
+            clip_qkv=get("attention.clamp_kqv"),
+            moe=moe_from_gguf(meta, arch, layers),
         )
 
     @classmethod
@@ -150,8 +176,11 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in _QK_NORM,
             rope_scaling=rope_scaling,
+            qk_norm_whole=arch == "olmoe",
+            clip_qkv=cfg.get("clip_qkv"),
+            moe=moe_from_hf(cfg, arch, int(cfg["num_hidden_layers"])),
         )
 
 

@@ -123,10 +123,10 @@ def quantize_as(values: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     return quantize(values, qtype)
 
 
-def copy_metadata(reader: GGUFReader, writer: GGUFWriter, prefix: str = "") -> None:
-    """Every metadata entry of `reader` whose key starts with `prefix` (e.g. "tokenizer.")."""
+def copy_metadata(reader: GGUFReader, writer: GGUFWriter, keep: Callable[[str], bool] = lambda key: True) -> None:
+    """Every metadata entry of `reader` whose key `keep` takes, into `writer`."""
     for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture" or not field.name.startswith(prefix):
+        if field.name.startswith("GGUF.") or field.name == "general.architecture" or not keep(field.name):
             continue  # the writer writes these itself
         main = field.types[0]
         sub = field.types[-1] if main == GGUFValueType.ARRAY else None
@@ -143,17 +143,26 @@ def rewrite_gguf(src: str | Path, dst: str | Path, choose: Chooser) -> dict[str,
     written = {}
     for t in model.tensors():
         qtype = choose(t.name, t.shape, t.qtype)
-        block = GGML_QUANT_SIZES[qtype][0]
-        if t.shape[-1] % block:
-            raise ValueError(f"{t.name}: rows of {t.shape[-1]} values are not whole {qtype.name} blocks of {block}")
-        data = quantize_as(t.to_float32(), qtype)
-        writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=qtype)
+        add_tensor_as(writer, t.name, t.to_float32(), qtype)
         written[t.name] = qtype.name
+    finish(writer)
+    return written
+
+
+def add_tensor_as(writer: GGUFWriter, name: str, values: np.ndarray, qtype: GGMLQuantizationType) -> None:
+    """fp32 `values` into `writer` as `qtype` (rows must be whole blocks of the type)."""
+    block = GGML_QUANT_SIZES[qtype][0]
+    if values.shape[-1] % block:
+        raise ValueError(f"{name}: rows of {values.shape[-1]} values are not whole {qtype.name} blocks of {block}")
+    data = quantize_as(values, qtype)
+    writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+
+
+def finish(writer: GGUFWriter) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return written
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) as one model with flags.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, and with experts Mixtral, Qwen3-MoE and
+OLMoE: model/moe.py) as one model with flags.
 
 The forward takes a flattened batch: the new tokens of every sequence of a step,
 laid end to end, with their positions. Attention goes through a backend object
@@ -18,6 +19,7 @@ from ..attention.backend import AttentionBackend
 from ..attention.metadata import AttentionMetadata
 from .config import ModelConfig
 from .lora import LoRABatch
+from .moe import MoE, QuantExperts
 from .quant import QTYPES, ConcatLinear, QuantEmbedding, QuantLinear, arithmetic, held_as
 
 
@@ -140,12 +142,20 @@ def _linear(n_in: int, n_out: int, bias: bool = False) -> Linear:
     return Linear(n_in, n_out, bias=bias).requires_grad_(False)
 
 
+def packed_linear(weight: torch.Tensor) -> Linear:
+    """A bias-free Linear over `weight` [out, in], prepacked for oneDNN (an fp32 MoE expert)."""
+    layer = Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    layer.pack()
+    return layer
+
+
 class DecoderLayer(nn.Module):
     # `native` (LlamaModel.set_kernels): the MLP's SiLU x up as one op, 2.3-2.8x faster
     # than torch's chunk + silu + mul at 1-256 rows (docs/benchmarks.md).
     native = False
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, index: int = 0):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
@@ -153,12 +163,18 @@ class DecoderLayer(nn.Module):
         self.scale = d**-0.5
         self.attn_norm = RMSNorm(h, config.rms_norm_eps)
         self.qkv = _linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        # OLMoE normalises all of q (and of k) at once, the others each head.
+        self.qk_norm_whole, self.clip_qkv = config.qk_norm_whole, config.clip_qkv
+        q_dim, k_dim = (self.q_size, self.kv_size) if config.qk_norm_whole else (d, d)
+        self.q_norm = RMSNorm(q_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, config.rms_norm_eps) if config.qk_norm else None
         self.o = _linear(self.q_size, h)
         self.ffn_norm = RMSNorm(h, config.rms_norm_eps)
-        self.gate_up = _linear(h, 2 * config.intermediate_size)
-        self.down = _linear(config.intermediate_size, h)
+        # A sparse layer's MLP is the experts; it has no dense gate_up and down.
+        sparse = config.moe is not None and index in config.moe.sparse_layers
+        self.moe = MoE(config.moe, h, _linear(h, config.moe.num_experts)) if sparse else None
+        self.gate_up = None if sparse else _linear(h, 2 * config.intermediate_size)
+        self.down = None if sparse else _linear(config.intermediate_size, h)
 
     def forward(
         self,
@@ -176,10 +192,14 @@ class DecoderLayer(nn.Module):
         if lora is not None:
             lora[0].add(lora[1], "qkv", normed, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (y.clamp(-self.clip_qkv, self.clip_qkv) for y in (q, k, v))
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.native:
             torch.ops.pagedserve.rotary_(q, k, cos, sin)  # in place, in qkv: torch's bits in one op
@@ -191,6 +211,8 @@ class DecoderLayer(nn.Module):
         if lora is not None:
             lora[0].add(lora[1], "o", attn, out)
         hidden, normed = self.ffn_norm.add_forward(out, hidden)
+        if self.moe is not None:  # LoRA adapters on sparse layers' MLPs are refused at load (model/lora.py)
+            return hidden.add_(self.moe(normed))
         gate_up = self.gate_up(normed)
         if lora is not None:
             lora[0].add(lora[1], "gate_up", normed, gate_up)
@@ -217,7 +239,7 @@ class LlamaModel(nn.Module):
         # from_pretrained skips nn.Embedding's random init, whose first call on the meta
         # device imports torch's decompositions: ~2 s of every process's first model load.
         self.embed = nn.Embedding.from_pretrained(torch.empty(config.vocab_size, config.hidden_size), freeze=True)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # A tied head is made from the embedding matrix once the weights are loaded.
         self.lm_head = None if config.tie_word_embeddings else _linear(config.hidden_size, config.vocab_size)
@@ -249,6 +271,8 @@ class LlamaModel(nn.Module):
             blocks, bias = state.pop(name), state.pop(f"{path}.bias", None)
             if path == "embed":
                 self.embed = QuantEmbedding(blocks, qtype)
+            elif isinstance(blocks, torch.Tensor) and blocks.dim() == 3:  # [experts, rows, row bytes]: experts
+                self.set_submodule(path, QuantExperts(blocks, qtype))
             elif isinstance(qtype, tuple):  # parts (q, k, v), packed a run of one type at a time
                 layers, row = [], 0
                 for t, run in groupby(zip(blocks, qtype), key=lambda part: part[1]):
@@ -275,18 +299,25 @@ class LlamaModel(nn.Module):
                 qtype = QTYPES["q8_0"] if path == "lm_head" else QTYPES[quantization]
                 if isinstance(module, Linear):
                     self.set_submodule(path, QuantLinear.from_float(module.weight, qtype, module.bias))
+            for moe in self.moe_layers():
+                moe.quantize(QTYPES[quantization])
         if pack is None:
             pack = can_pack_weights()
         if pack:
             for _, module in self.named_linears():
                 if isinstance(module, Linear):
                     module.pack()
+            for moe in self.moe_layers():
+                moe.pack(packed_linear)
+                if isinstance(moe.router, Linear):
+                    moe.router.pack()
 
     def set_kernels(self, kernels: str) -> None:
         """"native" or "torch" (pagedserve.kernels.resolve_kernels decides which can run)."""
         if kernels not in ("native", "torch"):
             raise ValueError(f"kernels must be 'native' or 'torch', got {kernels!r}")
-        if kernels == "torch" and any(isinstance(m, (QuantLinear, ConcatLinear)) for _, m in self.named_linears()):
+        if kernels == "torch" and any(isinstance(m, (QuantLinear, ConcatLinear, QuantExperts))
+                                      for m in [m for _, m in self.named_linears()] + list(self.modules())):
             raise ValueError("layers on GGUF blocks run only on the native kernels (kernels='native' or 'auto' "
                              "where the library can run); load the model with quantization='none' and "
                              "keep_blocks=False for the torch path")
@@ -296,13 +327,17 @@ class LlamaModel(nn.Module):
 
     def linear_layers(self) -> list[Linear | QuantLinear]:
         """Every decoder layer's qkv, o, gate_up and down, in forward order (not the head)."""
-        return [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down) if m is not None]
 
     def named_linears(self) -> list[tuple[str, Linear | QuantLinear]]:
         """(submodule path, module) of every linear layer and the head."""
         names = ("qkv", "o", "gate_up", "down")
-        return [(f"layers.{i}.{n}", getattr(layer, n)) for i, layer in enumerate(self.layers) for n in names] + [
-            ("lm_head", self.lm_head)]
+        return [(f"layers.{i}.{n}", getattr(layer, n)) for i, layer in enumerate(self.layers) for n in names
+                if getattr(layer, n) is not None] + [("lm_head", self.lm_head)]
+
+    def moe_layers(self) -> list[MoE]:
+        """The sparse layers' experts (none in a dense model)."""
+        return [layer.moe for layer in self.layers if layer.moe is not None]
 
     def describe_weights(self) -> str:
         """How many matrices take each path, e.g. "90 on Q8_0 blocks (fp32 arithmetic), 31
@@ -315,6 +350,7 @@ class LlamaModel(nn.Module):
             return type(m).__name__
         modules = [m for _, m in self.named_linears()]
         counts = Counter(path(p) for m in modules for p in (m.parts if isinstance(m, ConcatLinear) else [m]))
+        counts.update(p for moe in self.moe_layers() for p in moe.weight_paths())
         embed = f"embedding {held_as(self.embed.qtype)}" if isinstance(self.embed, QuantEmbedding) \
             else f"embedding {self.embed.weight.dtype}"
         return ", ".join(f"{n} {p}" for p, n in counts.most_common()) + f"; {embed}"

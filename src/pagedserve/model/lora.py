@@ -109,6 +109,9 @@ def load_peft_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> L
         if layer >= config.num_layers:
             raise ValueError(f"{weights_file}: {key!r} names layer {layer}; the model has {config.num_layers}")
         name, sub = PEFT_PROJECTIONS[m.group(2)]
+        if name in ("gate_up", "down") and config.moe is not None and layer in config.moe.sparse_layers:
+            raise ValueError(f"{weights_file}: {key!r} adapts layer {layer}'s MLP, which is a mixture of experts; "
+                             "LoRA adapts attention (q/k/v/o) and dense MLP layers only")
         found.setdefault((layer, name, sub), {})[m.group(3)] = tensor
     if not found:
         raise ValueError(f"{weights_file}: holds no LoRA weights")

@@ -19,6 +19,7 @@ import torch
 
 from .config import QTYPES, ModelConfig
 from .gguf_file import GGUFTensor
+from .moe_weights import GGUF_EXPERT_NAMES, expert_matrices, keep_experts_whole, stack_hf_experts
 from .quant import HALF_DTYPES, HALF_TYPES, IQ4_NL, NATIVE_TYPES, dequantize_blocks, half_blocks, widen_to_q8_0
 
 _GGUF_LAYER_NAMES = {
@@ -33,6 +34,7 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    **GGUF_EXPERT_NAMES,
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -50,6 +52,18 @@ def _hf_name_for_gguf(name: str) -> str | None:
     if m and m.group(2) in _GGUF_LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
     return None
+
+
+def gguf_name_for_hf(name: str) -> str:
+    """The llama.cpp tensor name of an HF-named tensor (_hf_name_for_gguf inverted)."""
+    globals_ = {hf: g for g, hf in _GGUF_GLOBAL_NAMES.items()}
+    if name in globals_:
+        return globals_[name]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
+    layer = {hf: g for g, hf in _GGUF_LAYER_NAMES.items()}
+    if m is None or m.group(2) not in layer:
+        raise ValueError(f"no GGUF name for tensor {name!r}")
+    return f"blk.{m.group(1)}.{layer[m.group(2)]}.{m.group(3)}"
 
 
 def undo_llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -81,11 +95,15 @@ def hf_tensors_from_gguf(
         name = _hf_name_for_gguf(t.name)
         if name is None:
             raise ValueError(f"unexpected tensor {t.name!r} in a {config.architecture} model")
-        if t.qtype in keep_blocks and len(t.shape) == 2 and (t.qtype not in HALF_TYPES or t.shape[1] % 32 == 0):
+        # Matrices, and an MoE layer's expert stacks [experts, rows, K] (on blocks only: 16-bit
+        # experts are widened, as the experts op has no half tiles).
+        if t.qtype in keep_blocks and (len(t.shape) == 2 or (len(t.shape) == 3 and t.qtype not in HALF_TYPES)) \
+                and (t.qtype not in HALF_TYPES or t.shape[-1] % 32 == 0):
             # Views of the file's memory map (F16's as bytes): the model's packing copies them once.
-            w = np.asarray(t.raw).view(np.uint8).reshape(t.shape[0], -1)
-        elif t.qtype in widen and len(t.shape) == 2:
-            w = widen_to_q8_0(torch.from_numpy(np.asarray(t.raw).reshape(t.shape[0], -1))).numpy()
+            w = np.asarray(t.raw).view(np.uint8).reshape(*t.shape[:-1], -1)
+        elif t.qtype in widen and len(t.shape) in (2, 3):
+            rows = np.asarray(t.raw).reshape(-1, np.asarray(t.raw).shape[-1])
+            w = widen_to_q8_0(torch.from_numpy(rows)).numpy().reshape(*t.shape[:-1], -1)
         else:
             w = t.to_float32()
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -141,10 +159,14 @@ def fused_matrices(config: ModelConfig, hf_names: Collection[str]) -> dict[str, 
     out = {"embed.weight": ["model.embed_tokens.weight"]}
     if "lm_head.weight" in hf_names and not config.tie_word_embeddings:
         out["lm_head.weight"] = ["lm_head.weight"]
+    sparse = set(config.moe.sparse_layers) if config.moe is not None else set()
     for i in range(config.num_layers):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         out[f"layers.{i}.qkv.weight"] = [a + f"{x}_proj.weight" for x in "qkv"]
         out[f"layers.{i}.o.weight"] = [a + "o_proj.weight"]
+        if i in sparse:
+            out.update(expert_matrices(i))
+            continue
         out[f"layers.{i}.gate_up.weight"] = [m + "gate_proj.weight", m + "up_proj.weight"]
         out[f"layers.{i}.down.weight"] = [m + "down_proj.weight"]
     return out
@@ -154,6 +176,7 @@ def fuse_hf_tensors(hf: dict[str, torch.Tensor], config: ModelConfig, apart: Col
                     ) -> dict[str, Any]:
     """HF names -> the fused parameter names of pagedserve's LlamaModel. A fused matrix named
     in `apart` stays a list of its parts (GGUF blocks: see fuse_gguf_blocks)."""
+    hf = stack_hf_experts(hf, config)
     sd: dict[str, Any] = {
         fused: [hf[p] for p in parts] if fused in apart else _cat([hf[p] for p in parts])
         for fused, parts in fused_matrices(config, hf).items()
@@ -193,6 +216,7 @@ def fuse_gguf_blocks(tensors: list[GGUFTensor], config: ModelConfig
     widen = {IQ4_NL}
     types = {_hf_name_for_gguf(t.name): QTYPES["q8_0"] if t.qtype in widen else int(t.qtype) for t in tensors}
     hf = hf_tensors_from_gguf(tensors, config, keep_blocks=(NATIVE_TYPES | HALF_TYPES) - widen, widen=widen)
+    keep_experts_whole(hf, types, config)
     return _fuse_kept(hf, types, config)
 
 
@@ -200,7 +224,9 @@ def fuse_stored_halves(hf: dict[str, torch.Tensor], config: ModelConfig
                        ) -> tuple[dict[str, Any], dict[str, int | tuple[int, ...]]]:
     """fuse_gguf_blocks for a safetensors folder read as stored: its float16 / bfloat16
     matrices kept as their bytes (quant.half_blocks: F16 / BF16 for the fp32 op, no float32
-    copy), everything else (norms, biases, fp32 or unaligned matrices) in float32."""
+    copy), everything else (norms, biases, fp32 or unaligned matrices, MoE expert stacks:
+    the experts op has no half tiles) in float32."""
+    hf = stack_hf_experts(hf, config)  # the names fused_matrices gives a sparse layer
     matrices = {p for parts in fused_matrices(config, hf).values() for p in parts}
     kept, types = {}, {}
     for name, t in hf.items():

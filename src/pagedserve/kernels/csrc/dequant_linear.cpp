@@ -299,23 +299,28 @@ at::Tensor dequant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
   mark_isa_path(avx512 ? IsaPath::kDequantLinearAvx512 : IsaPath::kDequantLinearAvx2);
   at::parallel_for(0, groups, grain, [&](int64_t p0, int64_t p1) {
     const int64_t t0 = 4 * p0, nt = std::min(4 * p1, ng) - t0;
-    switch (qtype) {
-      case kQ8_0: return run<kQ8_0>(t0, nt, m, tiles, stride, nb, src, k, dst, out_features, bias_ptr, avx512);
-      case kQ4_0:  // Q4_0's tiles are Q4_1's (m = -8d)
-      case kQ4_1: return run<kQ4_1>(t0, nt, m, tiles, stride, nb, src, k, dst, out_features, bias_ptr, avx512);
-      case kQ5_0:  // likewise with m = -16d
-      case kQ5_1: return run<kQ5_1>(t0, nt, m, tiles, stride, nb, src, k, dst, out_features, bias_ptr, avx512);
-      case kQ4_K: return run<kQ4_K>(t0, nt, m, tiles, stride, nb, src, k, dst, out_features, bias_ptr, avx512);
-      case kQ5_K: return run<kQ5_K>(t0, nt, m, tiles, stride, nb, src, k, dst, out_features, bias_ptr, avx512);
-      case kQ6_K: return run<kQ6_K>(t0, nt, m, tiles, stride, nb, src, k, dst, out_features, bias_ptr, avx512);
-      case kF16: return run<kF16>(t0, nt, m, tiles, stride, nb, src, k, dst, out_features, bias_ptr, avx512);
-      case kBF16: return run<kBF16>(t0, nt, m, tiles, stride, nb, src, k, dst, out_features, bias_ptr, avx512);
-    }
+    dequant_tiles(qtype, t0, nt, m, tiles, stride, nb, src, k, dst, out_features, bias_ptr, avx512);
   });
   return out;
 }
 
 }  // namespace
+
+void dequant_tiles(int64_t qtype, int64_t t0, int64_t nt, int64_t m, const uint8_t* tiles, int64_t stride, int64_t nb,
+                   const float* x, int64_t k, float* out, int64_t out_features, const float* bias, bool avx512) {
+  switch (qtype) {
+    case kQ8_0: return run<kQ8_0>(t0, nt, m, tiles, stride, nb, x, k, out, out_features, bias, avx512);
+    case kQ4_0:  // Q4_0's tiles are Q4_1's (m = -8d)
+    case kQ4_1: return run<kQ4_1>(t0, nt, m, tiles, stride, nb, x, k, out, out_features, bias, avx512);
+    case kQ5_0:  // likewise with m = -16d
+    case kQ5_1: return run<kQ5_1>(t0, nt, m, tiles, stride, nb, x, k, out, out_features, bias, avx512);
+    case kQ4_K: return run<kQ4_K>(t0, nt, m, tiles, stride, nb, x, k, out, out_features, bias, avx512);
+    case kQ5_K: return run<kQ5_K>(t0, nt, m, tiles, stride, nb, x, k, out, out_features, bias, avx512);
+    case kQ6_K: return run<kQ6_K>(t0, nt, m, tiles, stride, nb, x, k, out, out_features, bias, avx512);
+    case kF16: return run<kF16>(t0, nt, m, tiles, stride, nb, x, k, out, out_features, bias, avx512);
+    case kBF16: return run<kBF16>(t0, nt, m, tiles, stride, nb, x, k, out, out_features, bias, avx512);
+  }
+}
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("dequant_linear(Tensor x, Tensor packed, int qtype, int out_features, Tensor? bias) -> Tensor", &dequant_linear);

@@ -90,4 +90,10 @@ struct TiledLinear {
 TiledLinear check_tiled_linear(const char* op, const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
                                int64_t out_features, const std::optional<at::Tensor>& bias);
 
+// Tiles t0 .. t0 + nt - 1 of a packed matrix (`stride` bytes apart, nb blocks of 32 a row)
+// for m rows of x [m, k], into out [m, out_features]: one thread's share of dequant_linear
+// (dequant_linear.cpp), also run by the MoE experts' op on each expert's tiles.
+void dequant_tiles(int64_t qtype, int64_t t0, int64_t nt, int64_t m, const uint8_t* tiles, int64_t stride, int64_t nb,
+                   const float* x, int64_t k, float* out, int64_t out_features, const float* bias, bool avx512);
+
 }  // namespace pagedserve::quant
