@@ -1,7 +1,9 @@
 """Architecture hyper-parameters of a Llama-family model, from GGUF metadata or config.json.
 
 One config (and one model file) covers Llama, Mistral, Qwen2 and Qwen3: they differ
-only in flags (q/k/v bias, q/k RMSNorm, RoPE scaling, tied head).
+only in flags (q/k/v bias, q/k RMSNorm, RoPE scaling, tied head). Phi-3/4 and Gemma 2/3
+add sliding windows, soft-capping and partial RoPE, read by model/variants.py; Gemma's
+layers run in model/gemma.py.
 """
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import variants
+
 # Architectures this engine runs, keyed by GGUF `general.architecture` / HF `model_type`.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", *variants.ARCHITECTURES)
 
 # Weight-only formats with a native kernel, by GGML type id (gguf.GGMLQuantizationType),
 # the id the native op takes.
@@ -53,6 +57,14 @@ class ModelConfig:
     # HF `rope_scaling` (llama3 type supported). A llama3 GGUF carries the same
     # information as a `rope_freqs` tensor of per-dimension divisors instead.
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    # Phi-3/4 and Gemma 2/3 (model/variants.py documents each).
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] | None = field(default=None, hash=False)
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
+    rope_local_theta: float | None = None
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -71,6 +83,16 @@ class ModelConfig:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        variants.check_fields(self)
+
+    def layer_window(self, index: int) -> int:
+        """Keys layer `index` may see before a query, its own included (0: every key)."""
+        return variants.layer_window(self, index)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head that RoPE rotates (all but Phi-3/4's partial RoPE)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def num_params(self) -> int:
@@ -119,7 +141,8 @@ class ModelConfig:
             # Tied when the file has no separate output matrix; the loader decides.
             tie_word_embeddings=False,
             attention_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
+            **variants.gguf_fields(arch, get),
         )
 
     @classmethod
@@ -129,13 +152,13 @@ class ModelConfig:
 
     @classmethod
     def _from_hf_config(cls, cfg: Any) -> "ModelConfig":
-        arch = cfg.get("model_type", "")
+        arch = variants.HF_MODEL_TYPES.get(cfg.get("model_type", ""), cfg.get("model_type", ""))
         hidden = int(cfg["hidden_size"])
         # transformers >= 5 writes RoPE settings as one `rope_parameters` dict.
         rope = cfg.get("rope_parameters") or {}
         rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         num_heads = int(cfg["num_attention_heads"])
-        return cls(
+        fields = dict(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -149,9 +172,10 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
             rope_scaling=rope_scaling,
         )
+        return cls(**{**fields, **variants.hf_fields(arch, cfg)})
 
 
 @contextlib.contextmanager

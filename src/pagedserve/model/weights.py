@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import variants
 from .config import QTYPES, ModelConfig
 from .gguf_file import GGUFTensor
 from .quant import IQ4_NL, NATIVE_TYPES, dequantize_blocks, widen_to_q8_0
@@ -135,15 +136,17 @@ def llama3_freq_divisors(config: ModelConfig) -> torch.Tensor | None:
 
 def fused_matrices(config: ModelConfig, hf_names: Collection[str]) -> dict[str, list[str]]:
     """Each weight matrix of pagedserve's LlamaModel -> the HF matrices whose rows it
-    concatenates (q/k/v into qkv, gate/up into gate_up)."""
+    concatenates (q/k/v into qkv, gate/up into gate_up; Phi-3/4 store both fused already)."""
     out = {"embed.weight": ["model.embed_tokens.weight"]}
     if "lm_head.weight" in hf_names and not config.tie_word_embeddings:
         out["lm_head.weight"] = ["lm_head.weight"]
     for i in range(config.num_layers):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        out[f"layers.{i}.qkv.weight"] = [a + f"{x}_proj.weight" for x in "qkv"]
+        fused_qkv, fused_gate_up = a + "qkv_proj.weight", m + "gate_up_proj.weight"
+        out[f"layers.{i}.qkv.weight"] = [fused_qkv] if fused_qkv in hf_names else [a + f"{x}_proj.weight" for x in "qkv"]
         out[f"layers.{i}.o.weight"] = [a + "o_proj.weight"]
-        out[f"layers.{i}.gate_up.weight"] = [m + "gate_proj.weight", m + "up_proj.weight"]
+        out[f"layers.{i}.gate_up.weight"] = [fused_gate_up] if fused_gate_up in hf_names else [
+            m + "gate_proj.weight", m + "up_proj.weight"]
         out[f"layers.{i}.down.weight"] = [m + "down_proj.weight"]
     return out
 
@@ -160,6 +163,8 @@ def fuse_hf_tensors(hf: dict[str, torch.Tensor], config: ModelConfig, apart: Col
     divisors = hf.get("rope_freqs")
     if divisors is None:
         divisors = llama3_freq_divisors(config)
+    if divisors is None:
+        divisors = variants.rope_divisors(config)
     if divisors is not None:
         sd["rope_freq_divisors"] = divisors
     for i in range(config.num_layers):
@@ -172,6 +177,7 @@ def fuse_hf_tensors(hf: dict[str, torch.Tensor], config: ModelConfig, apart: Col
         if config.qk_norm:
             sd[f"layers.{i}.q_norm.weight"] = hf[a + "q_norm.weight"]
             sd[f"layers.{i}.k_norm.weight"] = hf[a + "k_norm.weight"]
+    variants.gemma_norms(sd, hf, config)
     return {k: [t.contiguous() for t in v] if isinstance(v, list) else v.contiguous() for k, v in sd.items()}
 
 
