@@ -131,28 +131,48 @@ def gguf_fields(arch: str, get: Callable[..., Any]) -> dict[str, Any]:
     """ModelConfig fields from a GGUF's `{arch}.*` metadata (`get(key, default)`), as llama.cpp
     reads them: Gemma's sliding pattern, local RoPE base and attention scale are fixed there."""
     if arch == "phi3":
-        rot = get("rope.dimension_count")
-        head_dim = int(get("attention.key_length", int(get("embedding_length")) // int(get("attention.head_count"))))
-        return {"sliding_window": int(get("attention.sliding_window")) if get("attention.sliding_window") else None,
-                "partial_rotary_factor": int(rot) / head_dim if rot else 1.0}
+        return _phi3_gguf(get)
     if arch not in GEMMA:
         return {}
     layers, hidden, heads = int(get("block_count")), int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // heads))
     # llama.cpp scales the 27B models (46 layers for Gemma 2, 62 for Gemma 3) by hidden / heads.
     big = layers == (46 if arch == "gemma2" else 62)
-    sliding = tuple(i % 2 == 0 for i in range(layers)) if arch == "gemma2" else \
-        tuple((i + 1) % 6 != 0 for i in range(layers))
+    pattern = get("attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # llama.cpp's per-layer flags, where a file has them
+        sliding = tuple(bool(x) for x in pattern)
+    elif arch == "gemma2":
+        sliding = tuple(i % 2 == 0 for i in range(layers))
+    else:
+        sliding = tuple((i + 1) % int(pattern or 6) != 0 for i in range(layers))
     factor = get("rope.scaling.factor")
     fields = {
         "sliding_window": int(get("attention.sliding_window")), "sliding_layers": sliding,
         "attn_logit_softcapping": get("attn_logit_softcapping"), "final_logit_softcapping": get("final_logit_softcapping"),
-        "query_pre_attn_scalar": float(hidden // heads if big else head_dim),
+        "query_pre_attn_scalar": float(get("attention.scale")) ** -2 if get("attention.scale")
+        else float(hidden // heads if big else head_dim),
         "rope_scaling": {"rope_type": "linear", "factor": float(factor)} if factor and factor != 1 else None,
     }
     if arch == "gemma3":
         fields["rope_local_theta"] = 10000.0
     return fields
+
+
+# GGUF tensor names (llama.cpp's) whose HF names differ from the Llama family's.
+_GEMMA_LAYER_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}
+GGUF_LAYER_NAMES = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES,
+                    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+# Phi-3's LongRoPE factors: the short ones are the frequency divisors; the long ones go
+# unused, at the original context (module docstring).
+GGUF_GLOBAL_NAMES = {"phi3": {"rope_factors_short.weight": "rope_freqs",
+                              "rope_factors_long.weight": "rope_factors_long"}}
+
+
+def gguf_norm_offset(arch: str, hf_name: str) -> bool:
+    """Whether a GGUF tensor holds Gemma's norm as 1 + weight (llama.cpp's converter adds
+    the 1): the loader takes it back to HF's weight, and gemma_norms adds it again."""
+    return arch in GEMMA and hf_name.endswith("norm.weight")
 
 
 def gemma_norms(sd: dict[str, Any], hf: dict[str, torch.Tensor], config: Any) -> None:
@@ -167,6 +187,20 @@ def gemma_norms(sd: dict[str, Any], hf: dict[str, torch.Tensor], config: Any) ->
         sd[f"layers.{i}.post_ffn_norm.weight"] = hf[p + "post_feedforward_layernorm.weight"]
     for name in [n for n in sd if n.endswith("norm.weight")]:
         sd[name] = sd[name].float() + 1.0
+
+
+def _phi3_gguf(get: Callable[..., Any]) -> dict[str, Any]:
+    rot = get("rope.dimension_count")
+    head_dim = int(get("attention.key_length", int(get("embedding_length")) // int(get("attention.head_count"))))
+    fields = {"sliding_window": int(get("attention.sliding_window")) if get("attention.sliding_window") else None,
+              "partial_rotary_factor": int(rot) / head_dim if rot else 1.0}
+    original = get("rope.scaling.original_context_length")
+    if original:  # LongRoPE: its short factors arrive as the rope_factors_short tensor
+        context = int(get("context_length", original))
+        fields["max_position_embeddings"] = min(int(original), context)
+        fields["rope_scaling"] = {"rope_type": "longrope", "attention_factor": get("rope.scaling.attn_factor"),
+                                  "original_max_position_embeddings": int(original), "max_position_embeddings": context}
+    return fields
 
 
 def rope_divisors(config: Any) -> torch.Tensor | None:

@@ -43,12 +43,14 @@ _GGUF_GLOBAL_NAMES = {
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def _hf_name_for_gguf(name: str) -> str | None:
-    if name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[name]
+def _hf_name_for_gguf(name: str, arch: str) -> str | None:
+    global_names = {**_GGUF_GLOBAL_NAMES, **variants.GGUF_GLOBAL_NAMES.get(arch, {})}
+    if name in global_names:
+        return global_names[name]
+    layer_names = {**_GGUF_LAYER_NAMES, **variants.GGUF_LAYER_NAMES.get(arch, {})}
     m = _GGUF_LAYER_RE.fullmatch(name)
-    if m and m.group(2) in _GGUF_LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in layer_names:
+        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -78,7 +80,7 @@ def hf_tensors_from_gguf(
     # Only llama-arch files are permuted by the converter (Qwen2/3 use HF's rotation already).
     permuted = config.architecture in ("llama", "mistral")
     for t in tensors:
-        name = _hf_name_for_gguf(t.name)
+        name = _hf_name_for_gguf(t.name, config.architecture)
         if name is None:
             raise ValueError(f"unexpected tensor {t.name!r} in a {config.architecture} model")
         if t.qtype in keep_blocks and len(t.shape) == 2:
@@ -92,6 +94,8 @@ def hf_tensors_from_gguf(
             w = undo_llama_cpp_permute(w, config.num_heads)
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = undo_llama_cpp_permute(w, config.num_kv_heads)
+        elif variants.gguf_norm_offset(config.architecture, name):
+            w = w - np.float32(1.0)
         out[name] = _tensor(w) if select is None else select(name, _tensor(w))
     return out
 
@@ -195,7 +199,7 @@ def fuse_gguf_blocks(tensors: list[GGUFTensor], config: ModelConfig
     stores v in Q6_K beside q and k in Q4_K. One with a part that has no kernel (F16, say)
     is fp32."""
     widen = {IQ4_NL}
-    types = {_hf_name_for_gguf(t.name): QTYPES["q8_0"] if t.qtype in widen else int(t.qtype) for t in tensors}
+    types = {_hf_name_for_gguf(t.name, config.architecture): QTYPES["q8_0"] if t.qtype in widen else int(t.qtype) for t in tensors}
     hf = hf_tensors_from_gguf(tensors, config, keep_blocks=NATIVE_TYPES - widen, widen=widen)
     qtypes: dict[str, int | tuple[int, ...]] = {}
     for fused, parts in fused_matrices(config, hf).items():
