@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # model/config.py imports this module, and sim/ reads configs without torch
+    import torch
 
 ARCHITECTURES = ("phi3", "gemma2", "gemma3")
 GEMMA = ("gemma2", "gemma3")
@@ -206,6 +207,8 @@ def _phi3_gguf(get: Callable[..., Any]) -> dict[str, Any]:
 def rope_divisors(config: Any) -> torch.Tensor | None:
     """Per-dimension divisors of the RoPE frequencies for linear scaling (Gemma 3's global
     layers) and LongRoPE's short factors (Phi-3/4); None for the other types."""
+    import torch
+
     rs = config.rope_scaling
     kind = rs and rs.get("rope_type", rs.get("type"))
     if kind == "linear":
