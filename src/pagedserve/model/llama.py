@@ -47,7 +47,8 @@ class RotaryEmbedding(nn.Module):
         exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
         inv_freq = 1.0 / (self.theta**exponent) / self.freq_divisors.double().cpu()
         angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)
-        return (torch.cat([angles.cos(), angles.sin()], dim=-1) * self.attention_factor).float()  # [L, head_dim]
+        table = torch.cat([angles.cos(), angles.sin()], dim=-1)  # [L, head_dim]
+        return (table * self.attention_factor).float()
 
     def place(self, device: torch.device, dtype: torch.dtype, length: int) -> None:
         """Tabulate positions 0 .. length - 1 once on `device`, in the activations' dtype."""
