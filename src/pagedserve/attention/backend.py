@@ -4,6 +4,12 @@ A KV cache for one layer is a tensor [2, num_blocks, block_size, num_kv_heads,
 head_dim] (K at index 0, V at index 1), of float32, or of float16 / float8 when
 `--kv-cache-dtype` narrows it: stores convert (saturating at the type's largest finite
 value, as the native write does), reads convert back to fp32.
+
+Two per-layer options serve Gemma 2/3 and Phi-3 (model/gemma.py): `window` > 0 lets a
+query see only the keys less than `window` positions before it (a sliding-window layer;
+the cache keeps every key, the window only masks), and `softcap` > 0 caps each scaled
+score as softcap * tanh(score / softcap) before the softmax. Backends that have them say
+so with `masks = True`; the others refuse a layer that needs them (refuse_masks).
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from .metadata import AttentionMetadata
 
 class AttentionBackend(Protocol):
     name: str
+    masks: bool  # takes window and softcap
 
     def prepare(self, meta: AttentionMetadata) -> object:
         """Work shared by every layer of the step `meta` describes (index building,
@@ -30,9 +37,18 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         """Store k/v at meta.slot_mapping, then attend over each sequence's context."""
         ...
+
+
+def refuse_masks(backend: str, window: int, softcap: float) -> None:
+    """ValueError for a backend without sliding windows or soft-capping asked for one."""
+    if window or softcap:
+        raise ValueError(f"the {backend} attention backend has no sliding window or logit soft-capping "
+                         f"(window={window}, softcap={softcap}); use the native or cpu backend")
 
 
 def check_step(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -72,28 +88,44 @@ class ReferenceBackend:
     for faster backends; never on the hot path."""
 
     name = "reference"
+    masks = True
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Nothing to share: each sequence is attended on its own."""
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta.slot_mapping)
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        group = num_heads // kv_cache.shape[-2]
-        out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype)
-        starts = meta.query_start_loc.tolist()
-        for i, (qlen, slen) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            nblocks = -(-slen // meta.block_size)
-            blocks = meta.block_tables[i, :nblocks]
-            keys = kv_cache[0, blocks].reshape(-1, *kv_cache.shape[-2:])[:slen].float()
-            vals = kv_cache[1, blocks].reshape(-1, *kv_cache.shape[-2:])[:slen].float()
-            keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, slen, D]
-            vals = vals.repeat_interleave(group, dim=1).transpose(0, 1)
-            qs = q[starts[i] : starts[i] + qlen].transpose(0, 1)  # [H, qlen, D]
-            scores = qs @ keys.transpose(1, 2) * scale  # [H, qlen, slen]
-            q_pos = torch.arange(slen - qlen, slen).unsqueeze(1)
-            k_pos = torch.arange(slen).unsqueeze(0)
-            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            out[starts[i] : starts[i] + qlen] = (probs @ vals).transpose(0, 1).reshape(qlen, -1)
-        return out
+        return attend_each_sequence(q, kv_cache, meta, scale, window, softcap)
+
+
+def attend_each_sequence(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                         window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Every sequence's new rows over its cached context (stored already), one explicit
+    score matrix at a time: the oracle, and the torch path for windows and soft-capping."""
+    if window < 0 or softcap < 0:
+        raise ValueError(f"window and softcap must be >= 0 (0: none), got {window} and {softcap}")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // kv_cache.shape[-2]
+    out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype)
+    starts = meta.query_start_loc.tolist()
+    for i, (qlen, slen) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        nblocks = -(-slen // meta.block_size)
+        blocks = meta.block_tables[i, :nblocks]
+        keys = kv_cache[0, blocks].reshape(-1, *kv_cache.shape[-2:])[:slen].float()
+        vals = kv_cache[1, blocks].reshape(-1, *kv_cache.shape[-2:])[:slen].float()
+        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, slen, D]
+        vals = vals.repeat_interleave(group, dim=1).transpose(0, 1)
+        qs = q[starts[i] : starts[i] + qlen].transpose(0, 1)  # [H, qlen, D]
+        scores = qs @ keys.transpose(1, 2) * scale  # [H, qlen, slen]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        q_pos = torch.arange(slen - qlen, slen).unsqueeze(1)
+        k_pos = torch.arange(slen).unsqueeze(0)
+        hidden = k_pos > q_pos
+        if window:
+            hidden |= k_pos <= q_pos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[starts[i] : starts[i] + qlen] = (probs @ vals).transpose(0, 1).reshape(qlen, -1)
+    return out

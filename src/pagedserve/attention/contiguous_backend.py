@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import native_unavailable_reason
-from .backend import check_step, write_kv
+from .backend import check_step, refuse_masks, write_kv
 from .cpu_backend import attend_chunk
 from .metadata import AttentionMetadata
 
@@ -65,6 +65,7 @@ class ContiguousAttention:
 
     name = "contiguous"
     short_below = 2
+    masks = False
 
     def __init__(self) -> None:
         self._plan: ContiguousStepPlan | None = None
@@ -75,7 +76,8 @@ class ContiguousAttention:
         return self._plan
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        refuse_masks(self.name, window, softcap)
         check_step(q, kv_cache, meta)
         plan = self.prepare(meta)
         self._write(k, v, kv_cache, meta)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .backend import check_step, to_cache_dtype, write_kv
+from .backend import attend_each_sequence, check_step, to_cache_dtype, write_kv
 from .metadata import AttentionMetadata
 
 # From this many query tokens on, a sequence gets its own call: the causal kernel
@@ -104,6 +104,9 @@ class CpuPagedAttention:
     """
 
     name = "cpu"
+    # A sliding-window or soft-capped layer takes the explicit per-sequence path
+    # (backend.attend_each_sequence): torch's flash kernel has neither option.
+    masks = True
 
     def __init__(self) -> None:
         self._plan: StepPlan | None = None
@@ -122,10 +125,14 @@ class CpuPagedAttention:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         check_step(q, kv_cache, meta)
         plan = self.prepare(meta)
         write_kv(k, v, kv_cache, meta.slot_mapping)
+        if window or softcap:
+            return attend_each_sequence(q, kv_cache, meta, scale, window, softcap)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         workspace = self._workspace_for(kv_cache, plan.max_gathered_blocks)
         for group in plan.groups:

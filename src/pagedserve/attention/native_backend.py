@@ -38,6 +38,7 @@ class NativePagedAttention:
     metadata object and reused by every layer."""
 
     name = "native"
+    masks = True
 
     def __init__(self) -> None:
         reason = native_unavailable_reason()
@@ -55,13 +56,13 @@ class NativePagedAttention:
         return self._plan
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         check_step(q, kv_cache, meta)
         plan = self.prepare(meta)
         torch.ops.pagedserve.write_kv_(kv_cache, k, v, meta.slot_mapping)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         if plan.seqs.numel():
             torch.ops.pagedserve.paged_attention_(
-                out, q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, plan.seqs, scale
-            )
+                out, q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, plan.seqs, scale,
+                window, softcap)
         return out

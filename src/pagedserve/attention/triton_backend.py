@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backend import check_step
+from .backend import check_step, refuse_masks
 from .metadata import AttentionMetadata
 
 
@@ -37,6 +37,7 @@ class TritonPagedAttention:
     context into (split-KV, so that such a step still fills the GPU); a power of two."""
 
     name = "triton"
+    masks = False
 
     def __init__(self, decode_segments: int | None = None) -> None:
         reason = triton_unavailable_reason()
@@ -57,7 +58,8 @@ class TritonPagedAttention:
         return self._plan
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        refuse_masks(self.name, window, softcap)
         check_step(q, kv_cache, meta)
         self._check_inputs(q, k, v, kv_cache, meta)
         plan = self.prepare(meta)

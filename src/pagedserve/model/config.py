@@ -1,7 +1,9 @@
 """Architecture hyper-parameters of a Llama-family model, from GGUF metadata or config.json.
 
 One config (and one model file) covers Llama, Mistral, Qwen2 and Qwen3: they differ
-only in flags (q/k/v bias, q/k RMSNorm, RoPE scaling, tied head).
+only in flags (q/k/v bias, q/k RMSNorm, RoPE scaling, tied head). Phi-3/4 and Gemma 2/3
+add sliding windows, soft-capping and partial RoPE, read by model/variants.py; Gemma's
+layers run in model/gemma.py.
 """
 from __future__ import annotations
 
@@ -14,13 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import variants
 from .moe_config import MoEConfig, moe_from_gguf, moe_from_hf
 
 # Architectures this engine runs, keyed by GGUF `general.architecture` / HF `model_type`.
 # Mixtral, Qwen3-MoE and OLMoE add experts (model/moe.py); a GGUF calls Mixtral "llama"
-# with experts and Qwen3-MoE "qwen3moe".
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen3moe", "olmoe")
-_QK_NORM = ("qwen3", "qwen3_moe", "qwen3moe", "olmoe")
+# with experts and Qwen3-MoE "qwen3moe". Phi-3/4 and Gemma 2/3: model/variants.py.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen3moe", "olmoe",
+                           *variants.ARCHITECTURES)
+_QK_NORM = ("qwen3", "qwen3_moe", "qwen3moe", "olmoe", "gemma3")
 
 # Weight-only formats with a native kernel, by GGML type id (gguf.GGMLQuantizationType),
 # the id the native op takes.
@@ -63,6 +67,14 @@ class ModelConfig:
     qk_norm_whole: bool = False  # OLMoE: one RMSNorm over all of q's (and k's) heads, not one per head
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] after the norms
     moe: MoEConfig | None = None  # the experts (model/moe.py); None for a dense model
+    # Phi-3/4 and Gemma 2/3 (model/variants.py documents each).
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] | None = field(default=None, hash=False)
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
+    rope_local_theta: float | None = None
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -88,6 +100,16 @@ class ModelConfig:
             self.moe.check_layers(self.num_layers)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        variants.check_fields(self)
+
+    def layer_window(self, index: int) -> int:
+        """Keys layer `index` may see before a query, its own included (0: every key)."""
+        return variants.layer_window(self, index)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head that RoPE rotates (all but Phi-3/4's partial RoPE)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def num_params(self) -> int:
@@ -147,6 +169,7 @@ class ModelConfig:
             qk_norm_whole=arch == "olmoe",
             clip_qkv=get("attention.clamp_kqv"),
             moe=moe_from_gguf(meta, arch, layers),
+            **variants.gguf_fields(arch, get),
         )
 
     @classmethod
@@ -156,13 +179,13 @@ class ModelConfig:
 
     @classmethod
     def _from_hf_config(cls, cfg: Any) -> "ModelConfig":
-        arch = cfg.get("model_type", "")
+        arch = variants.HF_MODEL_TYPES.get(cfg.get("model_type", ""), cfg.get("model_type", ""))
         hidden = int(cfg["hidden_size"])
         # transformers >= 5 writes RoPE settings as one `rope_parameters` dict.
         rope = cfg.get("rope_parameters") or {}
         rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         num_heads = int(cfg["num_attention_heads"])
-        return cls(
+        fields = dict(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -182,6 +205,7 @@ class ModelConfig:
             clip_qkv=cfg.get("clip_qkv"),
             moe=moe_from_hf(cfg, arch, int(cfg["num_hidden_layers"])),
         )
+        return cls(**{**fields, **variants.hf_fields(arch, cfg)})
 
 
 @contextlib.contextmanager

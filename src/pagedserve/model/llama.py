@@ -21,17 +21,20 @@ from .config import ModelConfig
 from .lora import LoRABatch
 from .moe import MoE, QuantExperts
 from .quant import QTYPES, ConcatLinear, QuantEmbedding, QuantLinear, arithmetic, held_as
+from .variants import rope_attention_factor
 
 
 class RotaryEmbedding(nn.Module):
-    """HF-style RoPE (rotate halves), cos/sin tabulated once per position."""
+    """HF-style RoPE (rotate halves), cos/sin tabulated once per position, over the first
+    `config.rotary_dim` dims of a head (all of them but for Phi-3/4's partial RoPE)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, theta: float | None = None):
         super().__init__()
-        self.head_dim = config.head_dim
-        self.theta = config.rope_theta
+        self.head_dim = config.rotary_dim
+        self.theta = config.rope_theta if theta is None else theta
+        self.attention_factor = rope_attention_factor(config)
         # Per-dimension divisors of the frequencies (llama3 scaling); loaded with the weights.
-        self.register_buffer("freq_divisors", torch.ones(config.head_dim // 2), persistent=False)
+        self.register_buffer("freq_divisors", torch.ones(self.head_dim // 2), persistent=False)
         self._table: torch.Tensor | None = None
         self._table_len = config.max_position_embeddings
         # Set by place(): the table covers every position the engine can reach, so a step
@@ -46,7 +49,8 @@ class RotaryEmbedding(nn.Module):
         exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
         inv_freq = 1.0 / (self.theta**exponent) / self.freq_divisors.double().cpu()
         angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)
-        return torch.cat([angles.cos(), angles.sin()], dim=-1).float()  # [L, head_dim]
+        table = torch.cat([angles.cos(), angles.sin()], dim=-1)  # [L, head_dim]
+        return (table * self.attention_factor).float()
 
     def place(self, device: torch.device, dtype: torch.dtype, length: int) -> None:
         """Tabulate positions 0 .. length - 1 once on `device`, in the activations' dtype."""
@@ -160,7 +164,10 @@ class DecoderLayer(nn.Module):
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
         self.q_size, self.kv_size = config.num_heads * d, config.num_kv_heads * d
-        self.scale = d**-0.5
+        self.rotary_dim = config.rotary_dim
+        self.scale = (config.query_pre_attn_scalar or d) ** -0.5
+        # Attention options (attention/backend.py): this layer's sliding window, Gemma 2's soft-cap.
+        self.window, self.softcap = config.layer_window(index), config.attn_logit_softcapping or 0.0
         self.attn_norm = RMSNorm(h, config.rms_norm_eps)
         self.qkv = _linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         # OLMoE normalises all of q (and of k) at once, the others each head.
@@ -186,8 +193,17 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         lora: tuple[LoRABatch, int] | None = None,  # the step's adapter rows, this layer's index
     ) -> torch.Tensor:
-        t = hidden.shape[0]
-        normed = self.attn_norm(hidden)
+        out = self.attention(self.attn_norm(hidden), cos, sin, kv_cache, meta, backend, lora)
+        hidden, normed = self.ffn_norm.add_forward(out, hidden)
+        # In place: `hidden` is this forward's own running state (the embedding's output,
+        # or a sum made above), so nothing else reads it.
+        return hidden.add_(self.mlp(normed, lora))
+
+    def attention(self, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                  meta: AttentionMetadata, backend: AttentionBackend, lora: tuple[LoRABatch, int] | None
+                  ) -> torch.Tensor:
+        """The attention block's output projection, before the residual."""
+        t = normed.shape[0]
         qkv = self.qkv(normed)
         if lora is not None:
             lora[0].add(lora[1], "qkv", normed, qkv)
@@ -201,37 +217,47 @@ class DecoderLayer(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
+        r = self.rotary_dim
         if self.native:
-            torch.ops.pagedserve.rotary_(q, k, cos, sin)  # in place, in qkv: torch's bits in one op
-        else:
+            torch.ops.pagedserve.rotary_(q[..., :r], k[..., :r], cos, sin)  # in place: torch's bits in one op
+        elif r == self.head_dim:
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
-        attn = backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
+        else:  # partial RoPE: the other dims pass through
+            q = torch.cat([apply_rotary(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+            k = torch.cat([apply_rotary(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+        attn = backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale, self.window, self.softcap)
         out = self.o(attn)
         if lora is not None:
             lora[0].add(lora[1], "o", attn, out)
-        hidden, normed = self.ffn_norm.add_forward(out, hidden)
+        return out
+
+    def mlp(self, normed: torch.Tensor, lora: tuple[LoRABatch, int] | None) -> torch.Tensor:
+        """The feed-forward block's output, before the residual."""
         if self.moe is not None:  # LoRA adapters on sparse layers' MLPs are refused at load (model/lora.py)
-            return hidden.add_(self.moe(normed))
+            return self.moe(normed)
         gate_up = self.gate_up(normed)
         if lora is not None:
             lora[0].add(lora[1], "gate_up", normed, gate_up)
-        if self.native:
-            act = torch.ops.pagedserve.silu_mul(gate_up)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
+        act = self.activate(gate_up)
         down = self.down(act)
         if lora is not None:
             lora[0].add(lora[1], "down", act, down)
-        # In place: `hidden` is this forward's own running state (the embedding's output,
-        # or a sum made above), so nothing else reads it.
-        return hidden.add_(down)
+        return down
+
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) x up."""
+        if self.native:
+            return torch.ops.pagedserve.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 class LlamaModel(nn.Module):
     """Build it under `torch.device("meta")` and call load_weights: no memory is
     allocated or initialised for parameters that the checkpoint replaces."""
+
+    layer_class: type[DecoderLayer] = DecoderLayer  # model/gemma.py's subclass takes its own
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -239,7 +265,7 @@ class LlamaModel(nn.Module):
         # from_pretrained skips nn.Embedding's random init, whose first call on the meta
         # device imports torch's decompositions: ~2 s of every process's first model load.
         self.embed = nn.Embedding.from_pretrained(torch.empty(config.vocab_size, config.hidden_size), freeze=True)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # A tied head is made from the embedding matrix once the weights are loaded.
         self.lm_head = None if config.tie_word_embeddings else _linear(config.hidden_size, config.vocab_size)
@@ -311,6 +337,10 @@ class LlamaModel(nn.Module):
                 moe.pack(packed_linear)
                 if isinstance(moe.router, Linear):
                     moe.router.pack()
+
+    def rotaries(self) -> list[RotaryEmbedding]:
+        """Every RoPE table the forward reads (placement tabulates each on the device)."""
+        return [self.rotary]
 
     def set_kernels(self, kernels: str) -> None:
         """"native" or "torch" (pagedserve.kernels.resolve_kernels decides which can run)."""

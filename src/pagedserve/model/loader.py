@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .architectures import model_class
 from .config import QUANTIZATION_CHOICES, ModelConfig
 from .gguf_file import GGUFFile, read_tensors
 from .llama import LlamaModel
@@ -142,7 +143,7 @@ def build_model(
     """`pack`: prepack linear weights for oneDNN (LlamaModel.load_weights); default when available.
     `quantization`, `qtypes`: see LlamaModel.load_weights."""
     with torch.device("meta"):
-        model = LlamaModel(config)
+        model = model_class(config.architecture)(config)
     model.load_weights(state, pack=pack, quantization=quantization, qtypes=qtypes)
     return model.eval()
 

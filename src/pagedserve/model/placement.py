@@ -20,10 +20,11 @@ def place_model(model: LlamaModel, device: torch.device, dtype: torch.dtype, qua
         raise ValueError(f"{packed[0]} holds a oneDNN-packed weight, which only the CPU reads; "
                          "load the model with pack=False to place it")
     # RoPE's frequency divisors stay fp32 (Module.to would round them to the new dtype).
-    divisors = model.rotary.freq_divisors.float().cpu()
+    divisors = [rotary.freq_divisors.float().cpu() for rotary in model.rotaries()]
     model.to(device=device, dtype=dtype)
-    model.rotary.set_freq_divisors(divisors)
-    model.rotary.place(device, dtype, max_positions or model.config.max_position_embeddings)
+    for rotary, kept in zip(model.rotaries(), divisors):
+        rotary.set_freq_divisors(kept)
+        rotary.place(device, dtype, max_positions or model.config.max_position_embeddings)
     if quantization == "fp8":
         for path, module in model.named_linears():
             if path != "lm_head" and isinstance(module, Linear):

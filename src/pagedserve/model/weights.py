@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import variants
 from .config import QTYPES, ModelConfig
 from .gguf_file import GGUFTensor
 from .moe_weights import GGUF_EXPERT_NAMES, expert_matrices, keep_experts_whole, stack_hf_experts
@@ -45,12 +46,14 @@ _GGUF_GLOBAL_NAMES = {
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def _hf_name_for_gguf(name: str) -> str | None:
-    if name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[name]
+def _hf_name_for_gguf(name: str, arch: str) -> str | None:
+    global_names = {**_GGUF_GLOBAL_NAMES, **variants.GGUF_GLOBAL_NAMES.get(arch, {})}
+    if name in global_names:
+        return global_names[name]
+    layer_names = {**_GGUF_LAYER_NAMES, **variants.GGUF_LAYER_NAMES.get(arch, {})}
     m = _GGUF_LAYER_RE.fullmatch(name)
-    if m and m.group(2) in _GGUF_LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in layer_names:
+        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -92,7 +95,7 @@ def hf_tensors_from_gguf(
     # Only llama-arch files are permuted by the converter (Qwen2/3 use HF's rotation already).
     permuted = config.architecture in ("llama", "mistral")
     for t in tensors:
-        name = _hf_name_for_gguf(t.name)
+        name = _hf_name_for_gguf(t.name, config.architecture)
         if name is None:
             raise ValueError(f"unexpected tensor {t.name!r} in a {config.architecture} model")
         # Matrices, and an MoE layer's expert stacks [experts, rows, K] (on blocks only: 16-bit
@@ -110,6 +113,8 @@ def hf_tensors_from_gguf(
             w = undo_llama_cpp_permute(w, config.num_heads)
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = undo_llama_cpp_permute(w, config.num_kv_heads)
+        elif variants.gguf_norm_offset(config.architecture, name):
+            w = w - np.float32(1.0)
         out[name] = _tensor(w) if select is None else select(name, _tensor(w))
     return out
 
@@ -155,19 +160,21 @@ def llama3_freq_divisors(config: ModelConfig) -> torch.Tensor | None:
 
 def fused_matrices(config: ModelConfig, hf_names: Collection[str]) -> dict[str, list[str]]:
     """Each weight matrix of pagedserve's LlamaModel -> the HF matrices whose rows it
-    concatenates (q/k/v into qkv, gate/up into gate_up)."""
+    concatenates (q/k/v into qkv, gate/up into gate_up; Phi-3/4 store both fused already)."""
     out = {"embed.weight": ["model.embed_tokens.weight"]}
     if "lm_head.weight" in hf_names and not config.tie_word_embeddings:
         out["lm_head.weight"] = ["lm_head.weight"]
     sparse = set(config.moe.sparse_layers) if config.moe is not None else set()
     for i in range(config.num_layers):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        out[f"layers.{i}.qkv.weight"] = [a + f"{x}_proj.weight" for x in "qkv"]
+        fused_qkv, fused_gate_up = a + "qkv_proj.weight", m + "gate_up_proj.weight"
+        out[f"layers.{i}.qkv.weight"] = [fused_qkv] if fused_qkv in hf_names else [a + f"{x}_proj.weight" for x in "qkv"]
         out[f"layers.{i}.o.weight"] = [a + "o_proj.weight"]
         if i in sparse:
             out.update(expert_matrices(i))
             continue
-        out[f"layers.{i}.gate_up.weight"] = [m + "gate_proj.weight", m + "up_proj.weight"]
+        out[f"layers.{i}.gate_up.weight"] = [fused_gate_up] if fused_gate_up in hf_names else [
+            m + "gate_proj.weight", m + "up_proj.weight"]
         out[f"layers.{i}.down.weight"] = [m + "down_proj.weight"]
     return out
 
@@ -185,6 +192,8 @@ def fuse_hf_tensors(hf: dict[str, torch.Tensor], config: ModelConfig, apart: Col
     divisors = hf.get("rope_freqs")
     if divisors is None:
         divisors = llama3_freq_divisors(config)
+    if divisors is None:
+        divisors = variants.rope_divisors(config)
     if divisors is not None:
         sd["rope_freq_divisors"] = divisors
     for i in range(config.num_layers):
@@ -197,6 +206,7 @@ def fuse_hf_tensors(hf: dict[str, torch.Tensor], config: ModelConfig, apart: Col
         if config.qk_norm:
             sd[f"layers.{i}.q_norm.weight"] = hf[a + "q_norm.weight"]
             sd[f"layers.{i}.k_norm.weight"] = hf[a + "k_norm.weight"]
+    variants.gemma_norms(sd, hf, config)
     return {k: [t.contiguous() for t in v] if isinstance(v, list) else v.contiguous() for k, v in sd.items()}
 
 
@@ -214,7 +224,7 @@ def fuse_gguf_blocks(tensors: list[GGUFTensor], config: ModelConfig
     at load), and Q4_K_M stores v in Q6_K beside q and k in Q4_K. One with a part that has
     no kernel (an F32 matrix, say) is fp32."""
     widen = {IQ4_NL}
-    types = {_hf_name_for_gguf(t.name): QTYPES["q8_0"] if t.qtype in widen else int(t.qtype) for t in tensors}
+    types = {_hf_name_for_gguf(t.name, config.architecture): QTYPES["q8_0"] if t.qtype in widen else int(t.qtype) for t in tensors}
     hf = hf_tensors_from_gguf(tensors, config, keep_blocks=(NATIVE_TYPES | HALF_TYPES) - widen, widen=widen)
     keep_experts_whole(hf, types, config)
     return _fuse_kept(hf, types, config)

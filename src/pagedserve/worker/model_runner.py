@@ -113,6 +113,10 @@ class ModelRunner:
         # One pinned host-to-device copy per step off the CPU; on CPU the inputs stay as built.
         self._device_inputs = DeviceInputs(device) if device.type != "cpu" else None
         self.backend = get_backend(attention_backend)
+        if not self.backend.masks and any(layer.window or layer.softcap for layer in model.layers):
+            raise ValueError(f"{model.config.architecture} has sliding-window or soft-capped attention layers, which "
+                             f"the {self.backend.name} attention backend lacks; use the native or cpu backend "
+                             "(the paged KV layout)")
         # The worker half of a KV connector (disaggregated prefill/decode), or None.
         self.kv_connector = kv_connector
         if kv_connector is not None:

@@ -31,6 +31,13 @@
 // stays in L1 while every query row of that head uses it. Widened so, an fp16 cache took
 // 0.58-0.64x the time of fp32 at 64 decodes x 320 context (30 layers' caches, 2 threads,
 // AVX-512 path), where the buffer had left it at 0.76-0.84x.
+// Two options serve Gemma 2/3 and Phi-3 (model/gemma.py): `window` > 0 masks every key more
+// than window - 1 positions before a row's token (sliding-window layers: the K/V stay in the
+// cache, the window only masks), and partitions wholly before a tile's first window are not
+// visited (they would add nothing to the merge, so the bits are the same); `softcap` > 0
+// caps every score as softcap * tanh(score / softcap) before the softmax (Gemma 2). Both act
+// on a row's scores in one function that the AVX2 and AVX-512 paths share, so the two paths
+// still give the same bits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -98,6 +105,8 @@ struct Problem {
   float* out;
   int64_t out_token_stride;
   int64_t partition_keys;  // a multiple of block_size
+  int64_t window;          // sliding window in keys (a row's own included); 0: none
+  float softcap;           // attention logit soft-capping; 0: none
 };
 
 // Query tokens token_begin .. token_begin + tokens - 1 of a sequence's new tokens.
@@ -234,6 +243,31 @@ template <int M, typename F>
   f(std::integral_constant<int, M>{});
 }
 
+// The first key a row at position pos may see.
+inline int64_t window_start(const Problem& p, int64_t pos) {
+  return p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
+}
+
+// One row's n scores (n a multiple of 8; -inf marks a key the row may not see): soft-capped
+// as softcap * tanh(score / softcap), tanh(y) = sign(y) (1 - 2 / (exp(2|y|) + 1)), and the
+// keys before the row's window start (first_visible, relative to the row's scores) masked.
+// Not inlined: the AVX2 and AVX-512 paths run this very code, so their bits agree.
+[[gnu::noinline]] void mask_and_cap(float* s, int64_t n, float softcap, int64_t first_visible) {
+  if (softcap > 0.0f) {
+    const __m256 cap = _mm256_set1_ps(softcap), neg_inf = _mm256_set1_ps(kNegInf), one = _mm256_set1_ps(1.0f);
+    const __m256 two = _mm256_set1_ps(2.0f), sign_bit = _mm256_set1_ps(-0.0f);
+    for (int64_t t = 0; t < n; t += 8) {
+      const __m256 x = _mm256_loadu_ps(s + t);
+      const __m256 y = _mm256_div_ps(x, cap);
+      const __m256 e = exp256(_mm256_mul_ps(two, _mm256_andnot_ps(sign_bit, y)));
+      const __m256 mag = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
+      const __m256 capped = _mm256_mul_ps(_mm256_or_ps(mag, _mm256_and_ps(sign_bit, y)), cap);
+      _mm256_storeu_ps(s + t, _mm256_blendv_ps(capped, x, _mm256_cmp_ps(x, neg_inf, _CMP_EQ_OQ)));
+    }
+  }
+  std::fill(s, s + std::min(n, std::max<int64_t>(0, first_visible)), kNegInf);
+}
+
 // Softmax attention of one tile of a sequence's query tokens over keys [key_begin,
 // key_end) (one partition), every KV head: leaves the unnormalised output in acc [rows][head_dim], the max and
 // sum per row. A first pass over the partition's blocks writes every row's scores, one
@@ -308,6 +342,10 @@ template <int NV, typename T, int RB>
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * sstride;
     std::fill(s + span, s + padded, kNegInf);
+    if (p.softcap > 0.0f || p.window > 0) {
+      const int64_t pos = first_pos + (r % per_kv) / g;
+      mask_and_cap(s, padded, p.softcap, window_start(p, pos) - key_begin);
+    }
     __m256 vmax = _mm256_set1_ps(kNegInf);
     for (int64_t t = 0; t < padded; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
     const float m = hmax(vmax);
@@ -414,7 +452,8 @@ void merge_parts(const Problem& p, const SplitGroup& sg, const float* partials, 
 
 void paged_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                       const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& seq_ids,
-                      double scale) {
+                      double scale, int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "paged_attention_: window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "paged_attention_: float32 q and out expected");
   AttendFn fn = nullptr;
@@ -446,7 +485,7 @@ void paged_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
             kv_cache.stride(1), kv_cache.stride(2), kv_cache.element_size(),
             block_tables.data_ptr<int64_t>(), block_tables.stride(0), qs, sl,
             bs, hkv, g, d, static_cast<float>(scale), out.data_ptr<float>(), out.stride(0),
-            (kPartitionKeys + bs - 1) / bs * bs};
+            (kPartitionKeys + bs - 1) / bs * bs, window, static_cast<float>(softcap)};
 
   const int64_t* seq_index = ids.data_ptr<int64_t>();
   const int64_t n = ids.numel();
@@ -474,14 +513,17 @@ void paged_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
       // Keys up to the tile's last token: no row of the tile sees past it.
       const int64_t rows = tile.tokens * num_heads, keys = sl[s] - qlen + t0 + tile.tokens;
       max_rows = std::max(max_rows, rows);
-      const int64_t parts = (keys + part_keys - 1) / part_keys;
+      // Partitions sit at fixed positions; those before the tile's first row's window are skipped.
+      const int64_t first_part = window_start(p, sl[s] - qlen + t0) / part_keys;
+      const int64_t parts = (keys + part_keys - 1) / part_keys - first_part;
       if (parts == 1) {
-        items.push_back({tile, 0, keys, -1, -1, keys * rows});
+        const int64_t b = first_part * part_keys;
+        items.push_back({tile, b, keys, -1, -1, (keys - b) * rows});
         continue;
       }
       const int64_t first = partial_floats, stride = rows * (d + 2);
       for (int64_t k = 0; k < parts; ++k) {
-        const int64_t b = k * part_keys, e = std::min(keys, b + part_keys);
+        const int64_t b = (first_part + k) * part_keys, e = std::min(keys, b + part_keys);
         items.push_back({tile, b, e, static_cast<int64_t>(groups.size()), first + k * stride, (e - b) * rows});
       }
       groups.push_back({tile, first, parts, rows});
@@ -534,7 +576,7 @@ void paged_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def(
       "paged_attention_(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, Tensor query_start_loc, "
-      "Tensor seq_lens, Tensor seq_ids, float scale) -> ()",
+      "Tensor seq_lens, Tensor seq_ids, float scale, int window=0, float softcap=0.0) -> ()",
       &paged_attention_);
 }
 
