@@ -55,6 +55,8 @@ CONFLICTS = [
     (dict(max_num_seqs=4096, itl_target_ms=100), "cpu", None, ("max_num_seqs", "max_num_batched_tokens")),
     (dict(max_num_seqs=4096), "cuda", None, ("max_num_seqs", "max_num_batched_tokens")),
     (dict(device="cpu"), "cuda", None, ("device",)),
+    (dict(task="embed", speculative_config=NGRAM), "cpu", None, ("task", "speculative_config")),
+    (dict(task="embed", kv_transfer_config=KV_TRANSFER), "cpu", None, ("task", "kv_transfer_config")),
 ]
 
 

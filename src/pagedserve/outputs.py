@@ -61,3 +61,5 @@ class RequestOutput:
     # Disaggregated prefill: where the decode instance can pull this request's KV (set on
     # the finished output of a request sent with kv_transfer_params {"do_remote_decode": true}).
     kv_transfer_params: dict | None = None
+    # A pooling request's vector (LLMEngine.add_pooling_request), on its finished output.
+    embedding: list[float] | None = None

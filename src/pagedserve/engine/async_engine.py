@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ..outputs import RequestMetrics, RequestOutput, TokenLogprobs
+from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
 from ..spec_decode.metrics import SpecDecodeStats
 from .dashboard_feed import DashboardFeed
@@ -58,6 +59,8 @@ class GenerationRequest:
     cache_salt: str | None = None
     kv_transfer_params: dict | None = None
     lora_name: str | None = None  # a loaded LoRA adapter; None: the base model
+    # Embed the prompt instead of generating (LLMEngine.add_pooling_request; `params` unused).
+    pooling: PoolingParams | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +86,8 @@ class RequestDelta:
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
     # A producer's hand-off to the decode instance, on the request's last delta.
     kv_transfer_params: dict | None = None
+    # A pooling request's vector, on its last delta.
+    embedding: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -527,16 +532,21 @@ class AsyncEngine:
 
     def _thread_add(self, r: GenerationRequest, live: dict[str, _Live]) -> tuple[str, Exception | None]:
         try:
-            self.engine.add_request(
-                r.prompt_token_ids, r.params, request_id=r.request_id, priority=r.priority,
-                cache_salt=r.cache_salt, arrival_time=r.arrival_time, kv_transfer_params=r.kv_transfer_params, lora_name=r.lora_name,
-            )
+            if r.pooling is not None:
+                self.engine.add_pooling_request(r.prompt_token_ids, r.pooling, request_id=r.request_id,
+                                                priority=r.priority, cache_salt=r.cache_salt,
+                                                arrival_time=r.arrival_time, lora_name=r.lora_name)
+            else:
+                self.engine.add_request(
+                    r.prompt_token_ids, r.params, request_id=r.request_id, priority=r.priority,
+                    cache_salt=r.cache_salt, arrival_time=r.arrival_time, kv_transfer_params=r.kv_transfer_params, lora_name=r.lora_name,
+                )
         except ValueError as error:
             return r.request_id, error
         except Exception as error:  # an engine bug must cost this request, not the thread
             logger.exception("add_request failed for %s", r.request_id)
             return r.request_id, error
-        live[r.request_id] = _Live(r.params.n)
+        live[r.request_id] = _Live(1 if r.pooling is not None else r.params.n)
         return r.request_id, None
 
     def _thread_abort(self, request_id: str, live: dict[str, _Live]) -> RequestDelta | None:
@@ -587,7 +597,8 @@ def _delta(out: RequestOutput, live: dict[str, _Live], now: float) -> RequestDel
         del live[out.request_id]
         metrics = dataclasses.replace(out.metrics)
     return RequestDelta(out.request_id, tuple(samples), out.finished, now, metrics, prompt_logprobs,
-                        out.kv_transfer_params if out.finished else None)
+                        out.kv_transfer_params if out.finished else None,
+                        tuple(out.embedding) if out.embedding is not None else None)
 
 
 def _snapshot(engine: LLMEngine, num_adds: int) -> EngineSnapshot:
