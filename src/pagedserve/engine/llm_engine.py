@@ -259,7 +259,7 @@ class LLMEngine:
         """Validate, tokenize and queue a request; raise ValueError if it can never run.
         `lora_name` runs it under that loaded LoRA adapter (None: the base model)."""
         params = params or SamplingParams()
-        self._check_task("generate")
+        self.check_task("generate")
         lora_id = self._lora(lora_name).lora_id if lora_name is not None else 0
         params.validate_for_vocab(self.loaded.config.vocab_size)
         prompt_text, prompt_ids, rid = self._prompt(prompt, request_id)
@@ -316,7 +316,7 @@ class LLMEngine:
             raise ValueError(f"request_id {rid!r} is already in use")
         return prompt_text, prompt_ids, rid
 
-    def _check_task(self, task: str) -> None:
+    def check_task(self, task: str) -> None:
         """ValueError when the engine's `task` option does not serve `task` ("generate" or "embed")."""
         if self.config.task not in ("auto", task):
             raise ValueError(f"this engine serves task {self.config.task!r}: {task} requests are off "
@@ -329,7 +329,7 @@ class LLMEngine:
         computed, its RequestOutput carrying `embedding` (worker/pooling.py). Prefix-cache hits
         serve "last" pooling (the last token is always recomputed); "mean" and "cls" need hidden
         states the cache does not keep, so they compute every token. ValueError if it can never run."""
-        self._check_task("embed")
+        self.check_task("embed")
         pooling = pooling or PoolingParams()
         pooling.validate_for_model(self.loaded.config.hidden_size)
         kind = pooling.pooling_type or self.config.pooling_type

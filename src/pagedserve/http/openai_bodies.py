@@ -239,8 +239,9 @@ class ResponsesRequest(StrictModel):
 Prompt = str | list[int]
 
 
-def completion_prompts(prompt: Any) -> list[Prompt]:
-    """OpenAI's prompt forms as a list: one text, texts, one token-id list, or several."""
+def completion_prompts(prompt: Any, param: str = "prompt") -> list[Prompt]:
+    """OpenAI's prompt forms as a list: one text, texts, one token-id list, or several
+    (`param`: the field they came in, for the error)."""
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt:
@@ -251,10 +252,10 @@ def completion_prompts(prompt: Any) -> list[Prompt]:
         if all(isinstance(p, list) and all(is_int(t) for t in p) for p in prompt):
             return list(prompt)
     if prompt is None:
-        raise APIError(400, "prompt is required", param="prompt")
+        raise APIError(400, f"{param} is required", param=param)
     raise APIError(
-        400, "prompt must be a non-empty string, a list of strings, a list of token ids or a list of token-id lists",
-        param="prompt",
+        400, f"{param} must be a non-empty string, a list of strings, a list of token ids or a list of token-id lists",
+        param=param,
     )
 
 
