@@ -158,6 +158,8 @@ ROUND_TRIPS = [
     ("lora_modules", ["--lora-modules", "a=/x", "b=/y"], {"a": "/x", "b": "/y"}),
     ("max_loras", ["--max-loras", "2"], 2),
     ("max_lora_rank", ["--max-lora-rank", "8"], 8),
+    ("task", ["--task", "embed"], "embed"),
+    ("pooling_type", ["--pooling-type", "mean"], "mean"),
 ]
 
 

@@ -8,15 +8,14 @@ import math
 
 import pytest
 import torch
-import transformers
 
 from engine_utils import assert_all_blocks_free, make_llm
 from pagedserve import SamplingParams
 from pagedserve.model.loader import load_model
 from pagedserve.pooling_params import PoolingParams
+from pooling_reference import reference_embedding as reference
+from pooling_reference import save_tiny_llama
 
-TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
 # fp32 engine vs fp32 transformers on the same weights: the products' summation orders differ.
 ATOL = 2e-5
 
@@ -25,20 +24,8 @@ ATOL = 2e-5
 def tiny(gguf_path, tmp_path_factory):
     """(transformers' model, our loaded model) of one random Llama checkpoint."""
     path = tmp_path_factory.mktemp("tiny-embed")
-    tokenizer = load_model(gguf_path).tokenizer
-    torch.manual_seed(0)
-    ref = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=tokenizer.vocab_size, **TINY)).eval()
-    ref.save_pretrained(path)
-    tokenizer.save(path)
+    ref = save_tiny_llama(path, load_model(gguf_path).tokenizer)
     return ref, load_model(path)
-
-
-def reference(ref, ids: list[int], pooling: str) -> torch.Tensor:
-    """transformers' final hidden states (after the final norm), pooled, L2-normalised."""
-    with torch.inference_mode():
-        hidden = ref(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
-    vector = {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[pooling]
-    return torch.nn.functional.normalize(vector, dim=0)
 
 
 def prompts(tokenizer) -> list[list[int]]:
@@ -68,9 +55,7 @@ def test_dimensions_truncate_then_normalise_and_raw_vectors(tiny):
     llm = make_llm(loaded, kernels="torch")
     ids = prompts(llm.tokenizer)[0]
     raw = llm.embed(ids, PoolingParams(normalize=False), use_tqdm=False)[0].embedding
-    with torch.inference_mode():
-        expected = ref(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1]
-    torch.testing.assert_close(torch.tensor(raw), expected, rtol=0, atol=ATOL)
+    torch.testing.assert_close(torch.tensor(raw), reference(ref, ids, normalize=False), rtol=0, atol=ATOL)
     short = llm.embed(ids, PoolingParams(dimensions=16), use_tqdm=False)[0].embedding
     assert len(short) == 16
     torch.testing.assert_close(torch.tensor(short), torch.nn.functional.normalize(torch.tensor(raw[:16]), dim=0))
@@ -126,3 +111,27 @@ def test_score_is_the_cosine_of_embeddings_and_tasks_refuse(tiny):
     generate_only = make_llm(loaded, kernels="torch", task="generate")
     with pytest.raises(ValueError, match="task 'generate'"):
         generate_only.embed("hi", use_tqdm=False)
+
+
+def test_a_preempted_pooling_request_recomputes_to_the_same_bits(tiny):
+    """A pool too small for the batch preempts requests mid-prefill; a mean-pooled prompt
+    then restarts from its first token and its partial sum is dropped, not added twice."""
+    _, loaded = tiny
+    kv_block = 2 * 2 * 2 * 16 * 4 * 16  # layers x (K, V) x kv heads x head_dim x fp32 x block of 16
+    llm = make_llm(loaded, kv_cache_memory=12 * kv_block, max_num_batched_tokens=32, max_num_seqs=8,
+                   pooling_type="mean")
+    ids = prompts(llm.tokenizer)
+    alone = [o.embedding for o in llm.embed(ids, use_tqdm=False)]
+    engine = llm.engine
+    for p in ids[1:]:
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    pooled = [engine.add_pooling_request(p) for p in ids * 2]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert any(done[r].metrics.num_preemptions for r in pooled), "a pooling request was meant to be preempted"
+    assert [done[r].embedding for r in pooled] == alone * 2
+    assert not engine.runner.pooling._partial
+    assert_all_blocks_free(llm)

@@ -12,14 +12,12 @@ import numpy as np
 import openai
 import pytest
 import torch
-import transformers
 
 from pagedserve.model.loader import load_model
+from pooling_reference import reference_embedding, save_tiny_llama
 
 from .server_process import start_server
 
-TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.", "Cats purr when happy."]
 # The server's fp32 native kernels against transformers' fp32 products: summation orders differ.
 ATOL = 1e-4
@@ -29,11 +27,7 @@ ATOL = 1e-4
 def tiny(gguf_path, tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-embed-server")
     tokenizer = load_model(gguf_path).tokenizer
-    torch.manual_seed(0)
-    ref = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=tokenizer.vocab_size, **TINY)).eval()
-    ref.save_pretrained(path)
-    tokenizer.save(path)
-    return path, ref, tokenizer
+    return path, save_tiny_llama(path, tokenizer), tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +42,6 @@ def oai(tiny_server) -> openai.OpenAI:
     return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def expected(ref, ids: list[int]) -> torch.Tensor:
-    """Last-token pooling of transformers' final (normed) hidden state, L2-normalised."""
-    with torch.inference_mode():
-        hidden = ref(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1]
-    return torch.nn.functional.normalize(hidden, dim=0)
-
-
 def test_openai_client_embeddings_match_transformers(tiny, oai):
     _, ref, tokenizer = tiny
     model = oai.models.list().data[0].id
@@ -62,7 +49,7 @@ def test_openai_client_embeddings_match_transformers(tiny, oai):
     ids = [tokenizer.encode(t) for t in TEXTS]
     assert [d.index for d in result.data] == [0, 1, 2] and result.object == "list"
     for prompt, data in zip(ids, result.data):
-        torch.testing.assert_close(torch.tensor(data.embedding), expected(ref, prompt), rtol=0, atol=ATOL)
+        torch.testing.assert_close(torch.tensor(data.embedding), reference_embedding(ref, prompt), rtol=0, atol=ATOL)
     assert result.usage.prompt_tokens == result.usage.total_tokens == sum(map(len, ids))
     # The client's default asks for base64 and decodes it: the same float32 bits.
     decoded = oai.embeddings.create(model=model, input=TEXTS)
@@ -159,20 +146,17 @@ def test_the_openai_client_raises_on_a_400_and_score_pairs_must_match(oai, tiny_
     assert r.status_code == 400 and r.json()["error"]["param"] == "documents"
 
 
-def test_a_generate_only_server_refuses_embeddings_and_an_embed_only_one_generation(tiny, server_logs):
+def test_a_generate_only_server_refuses_embeddings(tiny, server_logs):
+    """(An embed-only engine refusing generation is tests/test_pooling.py's; the server turns that
+    ValueError into a 400 as it does any other.)"""
     proc = start_server(server_logs, "--model", str(tiny[0]), "--task", "generate")
     try:
-        r = httpx.post(proc.url + "/v1/embeddings", json={"input": "hi"}, timeout=60)
-        assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_task"
-        assert "task 'generate'" in r.json()["error"]["message"]
-        r = httpx.post(proc.url + "/v1/rerank", json={"query": "q", "documents": ["a"]}, timeout=60)
-        assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_task"
+        for path, body in (("/v1/embeddings", {"input": "hi"}), ("/v1/rerank", {"query": "q", "documents": ["a"]}),
+                           ("/v1/score", {"text_1": "a", "text_2": "b"})):
+            r = httpx.post(proc.url + path, json=body, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_task", (path, r.text)
+            assert "task 'generate'" in r.json()["error"]["message"]
+        assert httpx.post(proc.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                          timeout=60).status_code == 200
     finally:
-        proc.stop()
-    proc = start_server(server_logs, "--model", str(tiny[0]), "--task", "embed")
-    try:
-        r = httpx.post(proc.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
-        assert r.status_code == 400 and "task 'embed'" in r.json()["error"]["message"]
-        assert httpx.post(proc.url + "/v1/embeddings", json={"input": "hi"}, timeout=60).status_code == 200
-    finally:
-        proc.stop()
+        assert proc.stop() == 0

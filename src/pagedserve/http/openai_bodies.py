@@ -103,17 +103,19 @@ class GenerationBody(StrictModel):
         return out
 
 
+# OpenAI's prompt forms (completion_prompts parses them): also /v1/embeddings' input.
+PROMPT_FORMS = [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+    {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+    {"type": "array", "minItems": 1,
+     "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}},
+]
 _PROMPT_SCHEMA = {
     "description": "A string, a list of strings, a list of token ids, or a list of token-id lists; each prompt "
                    "non-empty, token ids below the vocabulary size, prompt tokens plus max_tokens within the "
                    "context length, at most --max-queued-requests prompts.",
-    "anyOf": [
-        {"type": "string", "minLength": 1},
-        {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
-        {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
-        {"type": "array", "minItems": 1,
-         "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}},
-    ],
+    "anyOf": PROMPT_FORMS,
 }
 
 

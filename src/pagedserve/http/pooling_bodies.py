@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, WithJsonSchema
 
 from .json_body import StrictModel
+from .openai_bodies import PROMPT_FORMS
 
 _Text = Annotated[str, Field(min_length=1)]
 _Texts = Annotated[list[_Text], Field(min_length=1)]
@@ -17,13 +18,7 @@ _INPUT_SCHEMA = {
     "description": "A string, a list of strings, a list of token ids, or a list of token-id lists; each input "
                    "non-empty, token ids below the vocabulary size, within the context length, at most "
                    "--max-queued-requests inputs.",
-    "anyOf": [
-        {"type": "string", "minLength": 1},
-        {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
-        {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
-        {"type": "array", "minItems": 1,
-         "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}},
-    ],
+    "anyOf": PROMPT_FORMS,
 }
 
 
