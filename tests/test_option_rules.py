@@ -60,6 +60,8 @@ CONFLICTS = [
     (dict(max_num_seqs=4096, itl_target_ms=100), "cpu", None, ("max_num_seqs", "max_num_batched_tokens")),
     (dict(max_num_seqs=4096), "cuda", None, ("max_num_seqs", "max_num_batched_tokens")),
     (dict(device="cpu"), "cuda", None, ("device",)),
+    (dict(task="embed", speculative_config=NGRAM), "cpu", None, ("task", "speculative_config")),
+    (dict(task="embed", kv_transfer_config=KV_TRANSFER), "cpu", None, ("task", "kv_transfer_config")),
 ]
 
 
@@ -169,6 +171,8 @@ ROUND_TRIPS = [
     ("lora_modules", ["--lora-modules", "a=/x", "b=/y"], {"a": "/x", "b": "/y"}),
     ("max_loras", ["--max-loras", "2"], 2),
     ("max_lora_rank", ["--max-lora-rank", "8"], 8),
+    ("task", ["--task", "embed"], "embed"),
+    ("pooling_type", ["--pooling-type", "mean"], "mean"),
 ]
 
 

@@ -23,6 +23,7 @@ from .core.config import (
 from .core.contiguous_kv import CONTIGUOUS_BACKENDS, KV_LAYOUTS
 from .core.kv_connector import KVTransferConfig
 from .core.kv_plan import KV_CACHE_DTYPES
+from .core.request import POOLING_TYPES
 from .core.step_budget import AUTO_ITL_RATIO, LatencyTarget
 from .core.validation import require_int
 from .kernels import KERNEL_CHOICES, resolve_kernels
@@ -47,6 +48,9 @@ def parse_memory(value: str | int | float) -> int:
 EXECUTOR_BACKENDS = ("mp", "ray")
 # "auto" is resolved by EngineConfig.resolve; load_model takes the rest.
 ENGINE_QUANTIZATION = ("auto", *QUANTIZATION_CHOICES)
+# What requests the engine takes: auto serves both, generate only generation, embed only
+# pooling (/v1/embeddings, and /v1/score and /v1/rerank, which score by embeddings).
+TASKS = ("auto", "generate", "embed")
 
 
 def option(default: object, help: str, type: Callable[[str], object], choices: tuple[str, ...] | None = None,
@@ -147,6 +151,12 @@ class EngineConfig:
               "adapter_model.safetensors); needs --enable-lora", str, nargs="+", metavar="NAME=PATH")
     max_loras: int = option(4, "most LoRA adapters loaded at once", int)
     max_lora_rank: int = option(16, "largest LoRA rank an adapter may have", int)
+    task: str = option(
+        "auto", "requests served: auto (generation and embeddings on one engine), generate, or embed "
+                "(/v1/embeddings, /v1/score, /v1/rerank)", str, TASKS)
+    pooling_type: str = option(
+        "last", "how an embedding pools the prompt's final hidden states: last (token, as decoder embedding "
+                "models), mean, or cls (the first token); a request may choose its own", str, POOLING_TYPES)
 
     def __post_init__(self) -> None:
         """Each option on its own: parsed from its text form and checked against its choices or
@@ -200,6 +210,7 @@ class EngineConfig:
         self._check_device(device)
         self._check_scheduling(max_num_batched_tokens)
         self._check_lora(device)
+        self._check_task()
         kernels = "torch" if device == "cuda" else resolve_kernels(self.kernels)
         quantization = self._quantization(kernels, loaded_as)
         # fp16 KV costs nothing measured in accuracy (docs/benchmarks.md) and halves what
@@ -214,6 +225,15 @@ class EngineConfig:
                        enable_prefix_caching=self.kv_layout == "paged" if self.enable_prefix_caching is None
                        else self.enable_prefix_caching,
                        max_num_batched_tokens=max_num_batched_tokens)
+
+    def _check_task(self) -> None:
+        if self.task != "embed":
+            return
+        # An embedding engine never decodes: nothing to speculate, no KV to hand a decoder.
+        if self.speculative_config is not None:
+            raise ValueError("task 'embed' never decodes: speculative_config has nothing to speculate")
+        if self.kv_transfer_config is not None:
+            raise ValueError("task 'embed' never decodes: kv_transfer_config has no decode instance to feed")
 
     def _check_parallel(self, device: str, loaded_as: str | None) -> None:
         if self.node_rank >= self.nnodes:

@@ -64,6 +64,8 @@ class RequestOutput:
     # Disaggregated prefill: where the decode instance can pull this request's KV (set on
     # the finished output of a request sent with kv_transfer_params {"do_remote_decode": true}).
     kv_transfer_params: dict | None = None
+    # A pooling request's vector (LLMEngine.add_pooling_request), on its finished output.
+    embedding: list[float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +103,8 @@ class RequestDelta:
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
     # A producer's hand-off to the decode instance, on the request's last delta.
     kv_transfer_params: dict | None = None
+    # A pooling request's vector, on its last delta.
+    embedding: tuple[float, ...] | None = None
 
 
 class OutputAccumulator:
@@ -122,6 +126,7 @@ class OutputAccumulator:
         if delta.finished:
             del self._outputs[delta.request_id]
             out.finished, out.metrics, out.kv_transfer_params = True, delta.metrics, delta.kv_transfer_params
+            out.embedding = list(delta.embedding) if delta.embedding is not None else None
         return out
 
 

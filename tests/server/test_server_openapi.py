@@ -15,6 +15,7 @@ import pytest
 from pagedserve.http.anthropic_bodies import CountTokensRequest, MessagesRequest
 from pagedserve.http.errors import ANTHROPIC_PATHS
 from pagedserve.http.openapi import REQUEST_MODELS
+from pagedserve.http.pooling_bodies import EmbeddingRequest, RerankRequest, ScoreRequest
 from pagedserve.http.openai_bodies import MAX_STOP_STRINGS
 from pagedserve.sampling_params import MAX_ABS_PENALTY, MAX_LOGPROBS
 
@@ -27,7 +28,8 @@ ROUTES = {("post", "/v1/completions"), ("post", "/v1/chat/completions"), ("post"
           ("get", "/v1/models"), ("post", "/tokenize"), ("post", "/detokenize"), ("get", "/tokenizer_info"),
           ("get", "/health"), ("get", "/metrics"), ("get", "/version"), ("get", "/v1/kv_events"),
           ("get", "/dashboard"), ("get", "/dashboard/events"), ("post", "/dashboard/speculation"),
-          ("post", "/v1/messages"), ("post", "/v1/messages/count_tokens")}
+          ("post", "/v1/messages"), ("post", "/v1/messages/count_tokens"), ("post", "/v1/embeddings"),
+          ("post", "/v1/score"), ("post", "/v1/rerank")}
 LORA_ROUTES = {("post", "/v1/load_lora_adapter"), ("post", "/v1/unload_lora_adapter")}
 
 
@@ -62,7 +64,7 @@ def test_every_route_and_every_request_field_is_documented(document):
         assert {"200", "400", "401", "404", "413", "500", "503"} <= set(responses)
         assert all(r["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/AnthropicErrorResponse"}
                    for code, r in responses.items() if code != "200")
-    for model in (MessagesRequest, CountTokensRequest):
+    for model in (MessagesRequest, CountTokensRequest, EmbeddingRequest, ScoreRequest, RerankRequest):
         assert set(schemas[model.__name__]["properties"]) == set(model.model_fields), model.__name__
     assert set(schemas["AnthropicErrorDetail"]["required"]) == {"type", "message"}
 

@@ -13,6 +13,9 @@ from typing import Protocol
 from .validation import is_int, require_int
 
 CHILD_ID_SEPARATOR = "#"
+# How a pooling request turns its prompt's final hidden states into one vector: the
+# last token's, the mean over every token, or the first token's (a BERT-style CLS).
+POOLING_TYPES = ("last", "mean", "cls")
 
 
 class RequestStatus(enum.IntEnum):
@@ -80,6 +83,9 @@ class Request:
     kv_transfer_params: dict | None = None
     parent_id: str | None = None
     index: int = 0
+    # A pooling request (one of POOLING_TYPES; None: generation) computes its prompt and
+    # finishes when the prompt is done: it never samples, and max_tokens is not reserved.
+    pooling: str | None = None
 
     output_token_ids: list[int] = field(init=False)
     # Prompt + outputs in one list that only grows, so a step's token slice is cheap.
@@ -124,6 +130,10 @@ class Request:
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError(f"cache_salt must be a string or None, got {self.cache_salt!r}")
         require_int("lora_id", self.lora_id, 0)
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling must be one of {POOLING_TYPES} or None, got {self.pooling!r}")
+        if self.pooling is not None and self.n != 1:
+            raise ValueError(f"a pooling request has one result: n must be 1, got {self.n}")
         self.output_token_ids = []
         self.all_token_ids = list(self.prompt_token_ids)
         self.block_hashes = []
@@ -151,6 +161,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def num_reserved_tokens(self) -> int:
+        """The length the request may reach: its prompt, plus max_tokens unless it pools."""
+        return self.num_prompt_tokens + (0 if self.pooling is not None else self.max_tokens)
 
     @property
     def is_decode(self) -> bool:

@@ -47,6 +47,7 @@ from .transfer_hooks import LoadOutcome, NoTransfers, TransferHooks
 MAX_PRIORITY_PREEMPTIONS = 1
 RUNNING = RequestStatus.RUNNING
 ABORTED = RequestStatus.FINISHED_ABORTED
+STOPPED = RequestStatus.FINISHED_STOPPED
 LOADING = RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
@@ -163,17 +164,16 @@ class Scheduler:
         if request.n > 1 and not self.kv_cache.supports_forks:
             raise ValueError(f"request {rid}: n > 1 needs kv_layout='paged' (forked samples share pages, "
                              "which the contiguous layout cannot)")
-        total = request.num_prompt_tokens + request.max_tokens
+        total = request.num_reserved_tokens
+        # A pooling request reserves its prompt only: it never generates.
+        what = (f"prompt ({total} tokens)" if request.pooling is not None else
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) = {total}")
         max_len = self.config.max_model_len
         if max_len is not None and total > max_len:
-            raise ValueError(
-                f"request {rid}: prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) "
-                f"= {total} exceeds max_model_len ({max_len})"
-            )
+            raise ValueError(f"request {rid}: {what} exceeds max_model_len ({max_len})")
         problem = self.kv_cache.fit_error(total)
         if problem is not None:
-            raise ValueError(f"request {rid}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
-                             f"({request.max_tokens}) = {total} tokens {problem}")
+            raise ValueError(f"request {rid}: {what} tokens {problem}")
         self.transfers.validate(request)
         self.requests[rid] = request
         self.waiting.add(request)
@@ -405,7 +405,7 @@ class Scheduler:
 
     @staticmethod
     def _num_samples(req: Request, start: int, n: int) -> int:
-        if start + n < req.num_tokens:
+        if start + n < req.num_tokens or req.pooling is not None:
             return 0  # a partial prefill chunk: its logits predict nothing new
         return req.n if req.fork_pending else 1
 
@@ -499,10 +499,14 @@ class Scheduler:
         finished: list[Request] = []
         for row in output.scheduled:
             k = row.num_samples
-            if k == 0:
-                continue
             req = row.request
-            if req.status is not RUNNING:
+            if req.pooling is not None and req.status is RUNNING and row.start + row.num_new_tokens == req.num_tokens:
+                # Its prompt is computed: a pooling request is done (the runner pooled it this step).
+                req.status = STOPPED
+                updates.append(RequestUpdate(req, [], STOPPED))
+                finished.append(req)
+                continue
+            if k == 0 or req.status is not RUNNING:
                 continue
             tokens = sampled.get(row.request_id)
             if row.draft_token_ids:
@@ -609,7 +613,8 @@ class Scheduler:
 
     def _retire(self, req: Request, was_running: bool) -> None:
         """Release a request that just finished or was aborted, or park it as padding."""
-        can_pad = was_running and req.status is not ABORTED
+        # A pooling request has no next token for a padding row to compute.
+        can_pad = was_running and req.status is not ABORTED and req.pooling is None
         if can_pad and self.step_budget is not None:
             self.step_budget.finished(req.num_prompt_tokens - (req.num_cached_tokens or 0), req.num_output_tokens)
         if self.policy.on_finished(req, can_pad):

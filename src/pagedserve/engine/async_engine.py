@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ..outputs import RequestDelta
+from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
 from ..spec_decode.metrics import SpecDecodeStats
 from .dashboard_feed import DashboardFeed
@@ -57,6 +58,8 @@ class GenerationRequest:
     cache_salt: str | None = None
     kv_transfer_params: dict | None = None
     lora_name: str | None = None  # a loaded LoRA adapter; None: the base model
+    # Embed the prompt instead of generating (LLMEngine.add_pooling_request; `params` unused).
+    pooling: PoolingParams | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -487,10 +490,15 @@ class AsyncEngine:
 
     def _thread_add(self, r: GenerationRequest) -> tuple[str, Exception | None]:
         try:
-            self.engine.add_request(
-                r.prompt_token_ids, r.params, request_id=r.request_id, priority=r.priority,
-                cache_salt=r.cache_salt, arrival_time=r.arrival_time, kv_transfer_params=r.kv_transfer_params, lora_name=r.lora_name,
-            )
+            if r.pooling is not None:
+                self.engine.add_pooling_request(r.prompt_token_ids, r.pooling, request_id=r.request_id,
+                                                priority=r.priority, cache_salt=r.cache_salt,
+                                                arrival_time=r.arrival_time, lora_name=r.lora_name)
+            else:
+                self.engine.add_request(
+                    r.prompt_token_ids, r.params, request_id=r.request_id, priority=r.priority,
+                    cache_salt=r.cache_salt, arrival_time=r.arrival_time, kv_transfer_params=r.kv_transfer_params, lora_name=r.lora_name,
+                )
         except ValueError as error:
             return r.request_id, error
         except Exception as error:  # an engine bug must cost this request, not the thread

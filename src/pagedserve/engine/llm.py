@@ -1,13 +1,16 @@
-"""The offline API: `LLM(...).generate(prompts, params)` and `.chat(messages, params)`."""
+"""The offline API: `LLM(...).generate(prompts, params)`, `.chat(messages, params)`, and
+`.embed(prompts)` / `.score(text_1, text_2)` on the same engine."""
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from ..config import EngineConfig
 from ..outputs import OutputAccumulator, RequestOutput
+from ..pooling_params import PoolingParams, cosine_similarity, score_pairs
 from ..sampling_params import SamplingParams
 from .llm_engine import LLMEngine
 
@@ -38,8 +41,7 @@ class LLM:
         """RequestOutputs in the order of `prompts` (a string, token ids, or a list of either).
         `lora_name`: the loaded LoRA adapter to run (one for all prompts, or one per prompt;
         None: the base model)."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
         if lora_name is None or isinstance(lora_name, str):
             loras = [lora_name] * len(prompts)
@@ -47,7 +49,8 @@ class LLM:
             raise ValueError(f"lora_name has {len(lora_name)} entries for {len(prompts)} prompts")
         else:
             loras = list(lora_name)
-        return self._run(zip(prompts, params, loras), len(prompts), use_tqdm)
+        return self._run([partial(self.engine.add_request, p, sp, lora_name=lora)
+                          for p, sp, lora in zip(prompts, params, loras)], use_tqdm)
 
     def chat(
         self,
@@ -67,6 +70,22 @@ class LLM:
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm, lora_name)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True, lora_name: str | None = None) -> list[RequestOutput]:
+        """Embed each prompt (a string or token ids): RequestOutputs in order, each with its
+        `embedding` (the pooled final hidden state; L2-normalised unless pooling_params says not)."""
+        return self._run([partial(self.engine.add_pooling_request, p, pooling_params, lora_name=lora_name)
+                          for p in _prompt_list(prompts)], use_tqdm)
+
+    def score(self, text_1: Prompt | Sequence[Prompt], text_2: Prompt | Sequence[Prompt],
+              use_tqdm: bool = True, lora_name: str | None = None) -> list[float]:
+        """The cosine similarity of each pair's embeddings (one text_1 against every text_2, or
+        two equal-length lists pairwise, as vLLM's score for an embedding model)."""
+        pairs = score_pairs(text_1, text_2, _is_one_prompt)
+        texts = [t for pair in pairs for t in pair]
+        vectors = [out.embedding for out in self.embed(texts, use_tqdm=use_tqdm, lora_name=lora_name)]
+        return [cosine_similarity(vectors[2 * i], vectors[2 * i + 1]) for i in range(len(pairs))]
 
     def load_lora(self, name: str, path: str) -> None:
         """Load a PEFT adapter folder under `name` (needs enable_lora); ValueError if it cannot be."""
@@ -88,12 +107,14 @@ class LLM:
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for {n} prompts")
         return list(sampling_params)
 
-    def _run(self, jobs, total: int, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, adds: Sequence[Callable[[], str]], use_tqdm: bool) -> list[RequestOutput]:
+        """Queue each request (an `add` returns its id), step until all finish; their outputs in order."""
         engine = self.engine
+        total = len(adds)
         ids: list[str] = []
         try:
-            for prompt, params, lora in jobs:
-                ids.append(engine.add_request(prompt, params, lora_name=lora))
+            for add in adds:
+                ids.append(add())
         except Exception:
             for rid in ids:
                 engine.abort(rid)
@@ -116,3 +137,11 @@ class LLM:
         finally:
             bar.close()
         return [done[rid] for rid in ids]
+
+
+def _is_one_prompt(prompt: object) -> bool:
+    return isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int))
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    return [prompts] if _is_one_prompt(prompts) else list(prompts)

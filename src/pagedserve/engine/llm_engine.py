@@ -33,6 +33,7 @@ from ..model.loader import LoadedModel, load_model
 from ..model.placement import place_model
 from ..model.lora import LoRASlots
 from ..outputs import Logprob, RequestDelta, RequestMetrics, SampleDelta, TokenLogprobs
+from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
 from ..sampling_state import SamplingState
 from ..spec_decode.metrics import SpecDecodeStats
@@ -41,6 +42,7 @@ from ..structured_output.manager import StructuredOutputManager
 from ..worker.contiguous_kv import build_contiguous_kv
 from ..worker.draft_model import draft_kv, load_draft
 from ..worker.model_runner import ModelRunner, RunnerOutput
+from ..worker.pooling import finish_embedding
 from ..worker.sampler import LogprobsTensors
 from .detokenizer import IncrementalDetokenizer
 from .device_memory import device_memory_plan, kv_dtype_bytes
@@ -99,6 +101,8 @@ class _Tracked:
     lora_id: int = 0
     delivered: bool = False  # a delta went out (the first one carries the prompt)
     last_token_delivery: float | None = None  # the time of its last delta with tokens
+    pooling: PoolingParams | None = None  # a pooling request's (add_pooling_request), with its pooling_type set
+    embedding: list[float] | None = None  # its vector, once its prompt is done
 
     @property
     def finished(self) -> bool:
@@ -124,6 +128,7 @@ class _Tracked:
             self.prompt if first else None, tuple(self.prompt_token_ids) if first else None,
             tuple(self.prompt_logprobs) if first and self.prompt_logprobs is not None else None,
             self.kv_transfer_params if done else None,
+            tuple(self.embedding) if done and self.embedding is not None else None,
         )
 
 
@@ -281,20 +286,10 @@ class LLMEngine:
         """Validate, tokenize and queue a request; raise ValueError if it can never run.
         `lora_name` runs it under that loaded LoRA adapter (None: the base model)."""
         params = params or SamplingParams()
+        self.check_task("generate")
         lora_id = self._lora(lora_name).lora_id if lora_name is not None else 0
         params.validate_for_vocab(self.loaded.config.vocab_size)
-        if isinstance(prompt, str):
-            prompt_text, prompt_ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            prompt_text, prompt_ids = None, list(prompt)
-            vocab = self.loaded.config.vocab_size
-            if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if not prompt_ids:
-            raise ValueError("prompt must not be empty")
-        rid = request_id if request_id is not None else str(next(self._ids))
-        if rid in self._tracked:
-            raise ValueError(f"request_id {rid!r} is already in use")
+        prompt_text, prompt_ids, rid = self._prompt(prompt, request_id)
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - len(prompt_ids)
@@ -329,6 +324,54 @@ class LLMEngine:
         self._tracked[rid] = _Tracked(rid, prompt_text, prompt_ids, params, RequestMetrics(request.arrival_time),
                                       prompt_logprobs=[None] * len(prompt_ids) if params.prompt_logprobs is not None
                                       else None, lora_id=lora_id)
+        return rid
+
+    def _prompt(self, prompt: str | list[int], request_id: str | None) -> tuple[str | None, list[int], str]:
+        """(text, token ids, request id) of a new request; ValueError for an empty or
+        out-of-vocabulary prompt or an id in use."""
+        if isinstance(prompt, str):
+            prompt_text, prompt_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            prompt_text, prompt_ids = None, list(prompt)
+            vocab = self.loaded.config.vocab_size
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if not prompt_ids:
+            raise ValueError("prompt must not be empty")
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self._tracked:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        return prompt_text, prompt_ids, rid
+
+    def check_task(self, task: str) -> None:
+        """ValueError when the engine's `task` option does not serve `task` ("generate" or "embed")."""
+        if self.config.task not in ("auto", task):
+            raise ValueError(f"this engine serves task {self.config.task!r}: {task} requests are off "
+                             f"(start it with task 'auto' or {task!r})")
+
+    def add_pooling_request(self, prompt: str | list[int], pooling: PoolingParams | None = None,
+                            request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
+                            arrival_time: float | None = None, lora_name: str | None = None) -> str:
+        """Queue a prompt to embed: it is scheduled like any prefill and finishes when its prompt is
+        computed, its RequestOutput carrying `embedding` (worker/pooling.py). Prefix-cache hits
+        serve "last" pooling (the last token is always recomputed); "mean" and "cls" need hidden
+        states the cache does not keep, so they compute every token. ValueError if it can never run."""
+        self.check_task("embed")
+        pooling = pooling or PoolingParams()
+        pooling.validate_for_model(self.loaded.config.hidden_size)
+        kind = pooling.pooling_type or self.config.pooling_type
+        lora_id = self._lora(lora_name).lora_id if lora_name is not None else 0
+        prompt_text, prompt_ids, rid = self._prompt(prompt, request_id)
+        # It never samples; a plain state keeps the runner's per-row reads (prompt logprobs, grammar) uniform.
+        params = SamplingParams(max_tokens=1)
+        request = Request(rid, prompt_ids, max_tokens=1, priority=priority, cache_salt=cache_salt,
+                          arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+                          lora_id=lora_id, skip_prefix_cache=kind != "last",
+                          sampling=SamplingState.for_request(params, [None]), pooling=kind)
+        self.scheduler.add_request(request)
+        self._tracked[rid] = _Tracked(rid, prompt_text, prompt_ids, params,
+                                      RequestMetrics(request.arrival_time), lora_id=lora_id,
+                                      pooling=replace(pooling, pooling_type=kind))
         return rid
 
     def abort(self, request_id: str) -> RequestDelta | None:
@@ -409,8 +452,11 @@ class LLMEngine:
             tracked = self._tracked.get(req.parent_id or req.request_id)
             if tracked is None:
                 continue
-            sample = self._apply(tracked, req, update.new_token_ids, update.finished,
-                                 logprobs.get((req.parent_id or req.request_id, req.index)), now)
+            if tracked.pooling is not None:
+                sample = self._finish_pooling(tracked, req, result.pooled[req.request_id], now)
+            else:
+                sample = self._apply(tracked, req, update.new_token_ids, update.finished,
+                                     logprobs.get((req.parent_id or req.request_id, req.index)), now)
             samples = changed.setdefault(tracked.request_id, (tracked, []))[1]
             if sample is not None:
                 samples.append(sample)
@@ -467,6 +513,17 @@ class LLMEngine:
                            (tuple(logprobs[: len(new_ids)]) if logprobs is not None else ()) if wanted else None,
                            seq.finish_reason if finished is not None else None,
                            req.stop_reason if finished is not None else None)
+
+    def _finish_pooling(self, tracked: _Tracked, req: Request, vector: torch.Tensor, now: float) -> SampleDelta:
+        """A pooling request's prompt is done: its embedding, and one sample that ends "stop" with no tokens."""
+        tracked.embedding = finish_embedding(vector, tracked.pooling)
+        self._new_sequence(tracked, req).finish_reason = "stop"
+        tracked.num_finished = 1
+        m = tracked.metrics
+        m.first_token_time = m.last_token_time = m.finished_time = now
+        m.num_cached_tokens = req.num_cached_tokens or 0
+        m.num_preemptions = req.num_preemptions
+        return SampleDelta(req.index, "", (), None, "stop", None)
 
     @staticmethod
     def _detokenize(detokenizer: IncrementalDetokenizer, new_ids: list[int]) -> tuple[str, str | None, list[int]]:

@@ -103,17 +103,19 @@ class GenerationBody(StrictModel):
         return out
 
 
+# OpenAI's prompt forms (completion_prompts parses them): also /v1/embeddings' input.
+PROMPT_FORMS = [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+    {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+    {"type": "array", "minItems": 1,
+     "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}},
+]
 _PROMPT_SCHEMA = {
     "description": "A string, a list of strings, a list of token ids, or a list of token-id lists; each prompt "
                    "non-empty, token ids below the vocabulary size, prompt tokens plus max_tokens within the "
                    "context length, at most --max-queued-requests prompts.",
-    "anyOf": [
-        {"type": "string", "minLength": 1},
-        {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
-        {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
-        {"type": "array", "minItems": 1,
-         "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}},
-    ],
+    "anyOf": PROMPT_FORMS,
 }
 
 
@@ -241,8 +243,9 @@ class ResponsesRequest(StrictModel):
 Prompt = str | list[int]
 
 
-def completion_prompts(prompt: Any) -> list[Prompt]:
-    """OpenAI's prompt forms as a list: one text, texts, one token-id list, or several."""
+def completion_prompts(prompt: Any, param: str = "prompt") -> list[Prompt]:
+    """OpenAI's prompt forms as a list: one text, texts, one token-id list, or several
+    (`param`: the field they came in, for the error)."""
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt:
@@ -253,10 +256,10 @@ def completion_prompts(prompt: Any) -> list[Prompt]:
         if all(isinstance(p, list) and all(is_int(t) for t in p) for p in prompt):
             return list(prompt)
     if prompt is None:
-        raise APIError(400, "prompt is required", param="prompt")
+        raise APIError(400, f"{param} is required", param=param)
     raise APIError(
-        400, "prompt must be a non-empty string, a list of strings, a list of token ids or a list of token-id lists",
-        param="prompt",
+        400, f"{param} must be a non-empty string, a list of strings, a list of token ids or a list of token-id lists",
+        param=param,
     )
 
 

@@ -229,6 +229,7 @@ _ERRORS = {
     500: "An internal error (a bug; details go to the server log).",
     503: "Shutting down, or the engine is not running.",
 }
+_QUEUE_FULL = "Too many requests are waiting; retry after Retry-After s."
 _BODY_ERRORS = {400: "The request is invalid; `param` names the field.",
                 404: "The model is not one this server serves."}
 
@@ -259,12 +260,18 @@ def generation_responses(model: type[BaseModel], chunk: type[BaseModel]) -> dict
     return {
         200: {"model": model, "description": "The result; with stream=true, `data:` events ending in `[DONE]`.",
               "content": {"text/event-stream": {"schema": _sse_event(chunk)}}},
-        **_errors({**_BODY_ERRORS, **_ERRORS, 429: "Too many requests are waiting; retry after Retry-After s."}),
+        **_errors({**_BODY_ERRORS, **_ERRORS, 429: _QUEUE_FULL}),
     }
 
 
 def body_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     return {200: {"model": model}, **_errors({**_BODY_ERRORS, **_ERRORS})}
+
+
+def admitted_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """A JSON endpoint that runs engine requests: body errors, and 429 past the queue limit."""
+    return {200: {"model": model},
+            **_errors({**_BODY_ERRORS, **_ERRORS, 429: _QUEUE_FULL})}
 
 
 def get_responses(model: type[BaseModel] | None = None, description: str = "Successful Response"
@@ -297,7 +304,7 @@ def responses_api_responses() -> dict[int | str, dict[str, Any]]:
         "output": {"type": "array"}}}
     return {200: {"description": "The response; with stream=true, its events.",
                   "content": {"application/json": {"schema": body}, "text/event-stream": {"schema": event}}},
-            **_errors({**_BODY_ERRORS, **_ERRORS, 429: "Too many requests are waiting; retry after Retry-After s."})}
+            **_errors({**_BODY_ERRORS, **_ERRORS, 429: _QUEUE_FULL})}
 
 
 def anthropic_responses(model: type[BaseModel], error: type[BaseModel], events: tuple[str, ...] = ()
@@ -312,7 +319,7 @@ def anthropic_responses(model: type[BaseModel], error: type[BaseModel], events: 
             "event": {"enum": list(events)}, "data": {"type": "string", "contentMediaType": "application/json"}}}
         ok.update(description="The message; with stream=true, its events.",
                   content={"text/event-stream": {"schema": event}})
-        codes[429] = "Too many requests are waiting; retry after Retry-After s."
+        codes[429] = _QUEUE_FULL
     return {200: ok, **_errors(codes, error)}
 
 

@@ -399,8 +399,15 @@ class LlamaModel(nn.Module):
         logits_indices: torch.Tensor,  # [R] rows of the flattened batch whose logits are wanted
         lora: LoRABatch | None = None,  # the step's LoRA adapter rows (model/lora.py)
     ) -> torch.Tensor:  # [R, vocab]
+        hidden = self.hidden_states(input_ids, positions, kv_caches, meta, backend, lora)
+        return self.logits(hidden.index_select(0, logits_indices))
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                      meta: AttentionMetadata, backend: AttentionBackend, lora: LoRABatch | None = None) -> torch.Tensor:
+        """Every token's state after the last decoder layer, before the final norm: [T, hidden].
+        `self.norm` of it is the final hidden state (pooling's source); `logits` takes it too."""
         hidden = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             hidden = layer(hidden, cos, sin, kv_cache, meta, backend, None if lora is None else (lora, i))
-        return self.logits(hidden.index_select(0, logits_indices))
+        return hidden

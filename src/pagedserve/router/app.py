@@ -29,7 +29,7 @@ from ..http.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from .backends import Backend, BackendMonitor
 from .choice import choose_backend
 from .metrics import RouterMetrics
-from .openapi import METRICS_RESPONSES, MODELS_RESPONSES, health_responses, proxied_post, serve_document
+from .openapi import METRICS_RESPONSES, MODELS_RESPONSES, POOLING_PATHS, health_responses, proxied_post, serve_document
 from .policies import CacheAwareConfig, Picker
 from .prompt_keys import NO_KEYS, PromptKeyer, PromptKeys
 
@@ -37,7 +37,8 @@ logger = logging.getLogger("pagedserve.router")
 
 # Routes whose prompt the router hashes for cache_aware; the others go by load.
 KEYED_ROUTES = ("/v1/completions", "/v1/chat/completions")
-PROXIED_ROUTES = (*KEYED_ROUTES, "/v1/responses", *sorted(ANTHROPIC_PATHS), "/tokenize", "/detokenize")
+PROXIED_ROUTES = (*KEYED_ROUTES, "/v1/responses", *sorted(ANTHROPIC_PATHS), "/tokenize", "/detokenize",
+                  *POOLING_PATHS)
 # Request headers passed on to a replica (hop-by-hop ones and the router's own key are not).
 FORWARDED_HEADERS = ("content-type", "accept", "x-request-id")
 RESPONSE_HEADERS = ("content-type", "x-request-id", "retry-after")

@@ -18,8 +18,10 @@ from ..http.errors import ANTHROPIC_PATHS
 from ..http.openai_bodies import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest, \
     TokenizeRequest
 from ..http.openapi import ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse, \
-    DetokenizeResponse, ErrorResponse, ModelList, TokenizeResponse, anthropic_responses, body_responses, \
-    build_openapi, generation_responses, get_responses, request_body, responses_api_responses
+    DetokenizeResponse, ErrorResponse, ModelList, TokenizeResponse, admitted_responses, anthropic_responses, \
+    body_responses, build_openapi, generation_responses, get_responses, request_body, responses_api_responses
+from ..http.pooling_bodies import EmbeddingRequest, EmbeddingResponse, RerankRequest, RerankResponse, ScoreRequest, \
+    ScoreResponse
 
 Responses = dict[int | str, dict[str, Any]]
 
@@ -35,7 +37,12 @@ _POST_ROUTES: dict[str, tuple[type[BaseModel], Responses]] = {
     "/detokenize": (DetokenizeRequest, body_responses(DetokenizeResponse)),
     "/v1/messages": (MessagesRequest, anthropic_responses(Message, AnthropicErrorResponse, STREAM_EVENTS)),
     "/v1/messages/count_tokens": (CountTokensRequest, anthropic_responses(CountTokensResponse, AnthropicErrorResponse)),
+    "/v1/embeddings": (EmbeddingRequest, admitted_responses(EmbeddingResponse)),
+    "/v1/score": (ScoreRequest, admitted_responses(ScoreResponse)),
+    "/v1/rerank": (RerankRequest, admitted_responses(RerankResponse)),
 }
+# The embedding routes (docs/embeddings.md), proxied by load like the other unkeyed ones.
+POOLING_PATHS = ("/v1/embeddings", "/v1/score", "/v1/rerank")
 MODELS_RESPONSES: Responses = {**get_responses(ModelList), **_NO_REPLICA}
 METRICS_RESPONSES: Responses = get_responses(description="The router's own metrics, Prometheus text format.")
 
@@ -53,5 +60,6 @@ def health_responses(serving: str) -> Responses:
 
 def serve_document(app: FastAPI) -> None:
     """Serve the document of the routes added so far (built once: the routes are fixed)."""
-    document = build_openapi(app, (ResponsesRequest, MessagesRequest, CountTokensRequest))
+    document = build_openapi(app, (ResponsesRequest, MessagesRequest, CountTokensRequest, EmbeddingRequest,
+                                        ScoreRequest, RerankRequest))
     app.openapi = lambda: document  # type: ignore[method-assign]

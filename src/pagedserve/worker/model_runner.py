@@ -37,6 +37,7 @@ from .cuda_graphs import DecodeGraphRunner, capture_sizes
 from .device_inputs import DeviceInputs
 from .draft_model import DraftModelProposer
 from .kv_cache import allocate_kv_caches, copy_blocks, kv_cache_torch_dtype
+from .pooling import PoolingPlan, PoolingState, plan_pooling
 from .prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs, plan_prompt_logprobs
 from .row_sampling import RunnerOutput, sample_rows
 
@@ -54,6 +55,8 @@ class StepInputs:
     prompt_logprobs: PromptLogprobsPlan | None = None
     # Tokens that run a LoRA adapter, by slot; None when every row is the base model's.
     lora: LoRABatch | None = None
+    # Pooling rows and the hidden rows they need; None when no row pools.
+    pooling: PoolingPlan | None = None
 
 
 class StepPeers(Protocol):
@@ -123,6 +126,7 @@ class ModelRunner:
             kv_connector.register_kv_caches(self.kv_caches)
         self.block_tables = BlockTableRows(max_num_seqs, -(-max_model_len // bs))
         self.eos_token_ids = eos_token_ids
+        self.pooling = PoolingState()
         self.speculative = speculative
         self._drafter: DraftModelProposer | None = None
         self._propose: Callable[[Sequence[Request]], list[list[int]]] | None = None
@@ -155,10 +159,9 @@ class ModelRunner:
     # -- per-step state ---------------------------------------------------------------
 
     def _update_block_tables(self, out: SchedulerOutput) -> None:
-        for rid in out.finished_request_ids:
+        for rid in (*out.finished_request_ids, *out.preempted_request_ids):
             self.block_tables.remove(rid)
-        for rid in out.preempted_request_ids:
-            self.block_tables.remove(rid)
+            self.pooling.drop(rid)
         for s in out.scheduled:
             if s.block_ids is not None:  # new, resumed, forked, or changed by copy-on-write
                 self.block_tables.set(s.request_id, s.block_ids)
@@ -225,6 +228,7 @@ class ModelRunner:
             first_logits_row=cu_samples[:-1][num_samples > 0],
             prompt_logprobs=prompt_plan,
             lora=lora,
+            pooling=plan_pooling(sched, cu[:-1]),
         )
 
     @torch.inference_mode()
@@ -249,14 +253,7 @@ class ModelRunner:
                 inputs.input_ids, inputs.positions, inputs.logits_indices, inputs.meta)
             inputs = dataclasses.replace(inputs, input_ids=ids, positions=positions, logits_indices=logits_indices,
                                          meta=meta)
-        # A captured graph has no adapter deltas: steps with LoRA rows run eagerly.
-        logits = self._decode_graph_logits(inputs) if self.graphs is not None and inputs.lora is None else None
-        if logits is None:
-            self.backend.prepare(inputs.meta)
-            logits = self.model(
-                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend, inputs.logits_indices,
-                inputs.lora,
-            ).float()  # a no-op on the fp32 CPU path; sampling works on fp32 logits
+        logits, pooled = self._forward(inputs)
         if self._drafter is not None and self._drafter.needs_catch_up:
             self._drafter.catch_up(inputs.input_ids, inputs.positions, inputs.meta)
         prompt_logprobs = []
@@ -265,10 +262,31 @@ class ModelRunner:
             prompt_logprobs = compute_prompt_logprobs(logits[-num_extra:].cpu(), inputs.prompt_logprobs)
             logits = logits[:-num_extra]
         if not inputs.sampling:
-            return RunnerOutput({}, None, [], prompt_logprobs)
+            return RunnerOutput({}, None, [], prompt_logprobs, pooled)
         result = sample_rows(logits, inputs.sampling, inputs.first_logits_row, self.eos_token_ids)
         result.prompt_logprobs = prompt_logprobs
+        result.pooled = pooled
         return result
+
+    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The step's logits (fp32), and the pooled vector of each pooling request whose prompt it finished."""
+        # A captured graph has no adapter deltas and no hidden rows: steps with LoRA or pooling rows run eagerly.
+        eager = inputs.lora is not None or inputs.pooling is not None
+        logits = self._decode_graph_logits(inputs) if self.graphs is not None and not eager else None
+        if logits is not None:
+            return logits, {}
+        self.backend.prepare(inputs.meta)
+        if inputs.pooling is None:
+            return self.model(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend, inputs.logits_indices,
+                inputs.lora,
+            ).float(), {}  # a no-op on the fp32 CPU path; sampling works on fp32 logits
+        hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                                          self.backend, inputs.lora)
+        logits = self.model.logits(hidden.index_select(0, inputs.logits_indices)).float()
+        rows = torch.from_numpy(inputs.pooling.hidden_indices).to(hidden.device)
+        final = self.model.norm(hidden.index_select(0, rows)).float().cpu()
+        return logits, self.pooling.collect(inputs.pooling, final)
 
     def _decode_graph_logits(self, inputs: StepInputs) -> torch.Tensor | None:
         """A decode-only step's logits from its padded graph; None for a step that runs eagerly."""

@@ -38,6 +38,9 @@ class RunnerOutput:
     logprob_samples: list[tuple[Request, int]]
     # Prompt logprobs computed this step (requests with prompt_logprobs in prefill).
     prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)
+    # Pooling requests whose prompt this step finished: request id -> pooled final hidden
+    # state (fp32, CPU, before truncation or normalisation; worker/pooling.py).
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _generator(seed: int | None, position: int) -> torch.Generator | None:

@@ -41,6 +41,7 @@ from .routes import RouteGroup, ServerParts, dashboard_routes, kv_event_routes, 
 from .served_models import ServedModels
 from .serving import Admission, ServingContext, engine_error
 from .serving_messages import messages_routes
+from .serving_pooling import pooling_routes
 from .tenant_metrics import TenantCollector
 
 logger = logging.getLogger("pagedserve.server")
@@ -54,7 +55,7 @@ _ABORTED_RESPONSES_GRACE_S = 5.0
 
 # In the order their routes appear in /openapi.json; a new group is one more entry.
 ROUTE_GROUPS: tuple[RouteGroup, ...] = (
-    openai_routes, messages_routes, tokenizer_routes, operations_routes, kv_event_routes, lora_routes,
+    openai_routes, messages_routes, pooling_routes, tokenizer_routes, operations_routes, kv_event_routes, lora_routes,
     dashboard_routes,
 )
 
