@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..core.beam_search import BeamCandidates
 from ..core.outputs import ScheduledRequest
 from ..core.request import Request
 from ..sampling_params import token_seed
@@ -38,6 +39,8 @@ class RunnerOutput:
     logprob_samples: list[tuple[Request, int]]
     # Prompt logprobs computed this step (requests with prompt_logprobs in prefill).
     prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)
+    # Beam search: each group's best continuations this step, by root request id.
+    beams: dict[str, BeamCandidates] = field(default_factory=dict)
 
 
 def _generator(seed: int | None, position: int) -> torch.Generator | None:
