@@ -197,7 +197,7 @@ class SamplingParams:
 
     def _check_beam_search(self) -> None:
         self.length_penalty = _require_real("length_penalty", self.length_penalty)
-        if self.early_stopping not in (True, False, "never"):
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise ValueError(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
         if self.beam_width is None:
             return

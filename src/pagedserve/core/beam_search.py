@@ -28,9 +28,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-EARLY_STOPPING_VALUES = (True, False, "never")
-
-
 @dataclass(frozen=True, slots=True)
 class BeamCandidates:
     """A group's best continuations this step, best first: candidate i extends member
@@ -80,7 +77,7 @@ class BeamGroup:
     def __post_init__(self) -> None:
         if self.width < 1 or self.max_tokens < 1:
             raise ValueError(f"beam_width ({self.width}) and max_tokens ({self.max_tokens}) must be >= 1")
-        if self.early_stopping not in EARLY_STOPPING_VALUES:
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise ValueError(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
 
     @property
