@@ -104,3 +104,18 @@ def test_beams_share_the_prompt_blocks_and_abort_frees_them(tiny):
     assert engine.abort("beams")
     engine.step()
     assert_all_blocks_free(llm)
+
+
+@pytest.mark.slow
+def test_beams_equal_transformers_on_the_shipped_model(hf_model, reference_prompts):
+    """SmolLM2-135M in fp32 against transformers' own load of the same GGUF."""
+    llm = make_llm(load_model())
+    stops = sorted(llm.tokenizer.stop_token_ids)
+    prompts = reference_prompts[2:5]
+    for length_penalty, early_stopping in [(1.0, False), (2.0, True), (-0.5, "never"), (0.5, False)]:
+        outs = llm.beam_search(prompts, beam_width=4, max_tokens=MAX_TOKENS, length_penalty=length_penalty,
+                               early_stopping=early_stopping, use_tqdm=False)
+        for ids, out in zip(prompts, outs):
+            assert [c.token_ids for c in out.outputs] == reference_beams(
+                hf_model, ids, stops, num_beams=4, length_penalty=length_penalty, early_stopping=early_stopping)
+    assert_all_blocks_free(llm)
