@@ -106,6 +106,21 @@ def test_beams_share_the_prompt_blocks_and_abort_frees_them(tiny):
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("options, param", [
+    (dict(beam_width=0), "beam_width"),
+    (dict(beam_width=2, n=3), "n"),
+    (dict(beam_width=2, temperature=0.7), "temperature"),
+    (dict(beam_width=2, top_k=5), "top_k"),
+    (dict(beam_width=2, stop=["."]), "stop"),
+    (dict(beam_width=2, logprobs=1), "logprobs"),
+    (dict(beam_width=2, early_stopping=1), "early_stopping"),
+    (dict(beam_width=2, length_penalty=float("nan")), "length_penalty"),
+])
+def test_bad_beam_search_params_name_the_parameter(options, param):
+    with pytest.raises(ValueError, match=f"^{param}"):
+        SamplingParams(**{"temperature": 0, **options})
+
+
 @pytest.mark.slow
 def test_beams_equal_transformers_on_the_shipped_model(hf_model, reference_prompts):
     """SmolLM2-135M in fp32 against transformers' own load of the same GGUF."""

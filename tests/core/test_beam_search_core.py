@@ -8,6 +8,7 @@ import random
 import pytest
 
 from fake_runner import Driver, make_scheduler
+from test_contiguous_kv import contiguous_scheduler
 from pagedserve.core import Request
 from pagedserve.core.beam_search import BeamCandidates, BeamGroup
 
@@ -160,3 +161,10 @@ def test_a_preempted_beam_is_dropped_and_the_group_finishes():
     assert sched.num_preemptions > 0
     assert root.beam.done and root.beam.hypotheses
     assert sched.kv_cache.num_free_blocks == sched.kv_cache.num_blocks
+
+
+def test_the_contiguous_layout_refuses_beams():
+    sched, _ = contiguous_scheduler(memory_pages=12)
+    with pytest.raises(ValueError, match="beam search needs kv_layout='paged'"):
+        sched.add_request(beam_request("b", list(range(4)), width=1, max_tokens=2))
+    assert not sched.requests

@@ -166,9 +166,12 @@ class Scheduler:
             raise ValueError(f"request {rid} must be new (waiting, no outputs, nothing computed)")
         if request.n > self.config.max_num_seqs:
             raise ValueError(f"request {rid}: n ({request.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
-        if (request.n > 1 or request.beam is not None) and not self.kv_cache.supports_forks:
-            raise ValueError(f"request {rid}: n > 1 and beam search need kv_layout='paged' (forked samples and "
-                             "beams share pages, which the contiguous layout cannot)")
+        if request.beam is not None and not self.kv_cache.supports_forks:
+            raise ValueError(f"request {rid}: beam search needs kv_layout='paged' (beams share pages, which the "
+                             "contiguous layout cannot)")
+        if request.n > 1 and not self.kv_cache.supports_forks:
+            raise ValueError(f"request {rid}: n > 1 needs kv_layout='paged' (forked samples share pages, "
+                             "which the contiguous layout cannot)")
         total = request.num_prompt_tokens + request.max_tokens
         max_len = self.config.max_model_len
         if max_len is not None and total > max_len:
