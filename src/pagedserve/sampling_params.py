@@ -86,6 +86,11 @@ def _normalise_logit_bias(bias: dict[int, float] | None) -> dict[int, float] | N
     return normalised
 
 
+# Fields beam search does not apply (SamplingParams._check_beam_search): each must keep its default.
+_NOT_WITH_BEAM_SEARCH = ("top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                         "logit_bias", "min_tokens", "stop", "logprobs", "prompt_logprobs", "structured_outputs")
+
+
 def child_seed(seed: int, index: int) -> int:
     """The generator seed of child `index` of a request with n > 1 and this seed.
 
@@ -141,6 +146,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # Constrain the output to a JSON schema, regex, choice or grammar (see StructuredOutputs).
     structured_outputs: StructuredOutputs | None = None
+    # Beam search (None: sampling): this many beams, the best n of the finished ones
+    # returned, scored as transformers' generate(num_beams=...) does (core/beam_search.py).
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         _require_range("n", _require_int("n", self.n), 1, math.inf, ">= 1")
@@ -183,6 +193,27 @@ class SamplingParams:
             raise ValueError(
                 f"structured_outputs must be a StructuredOutputs or None, got {type(self.structured_outputs).__name__}"
             )
+        self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        self.length_penalty = _require_real("length_penalty", self.length_penalty)
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ValueError(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
+        if self.beam_width is None:
+            return
+        _require_range("beam_width", _require_int("beam_width", self.beam_width), 1, math.inf, ">= 1")
+        if self.n > self.beam_width:
+            raise ValueError(f"n ({self.n}) must be at most beam_width ({self.beam_width}): "
+                             "beam search returns the best n of its beams")
+        if not self.is_greedy:
+            raise ValueError(f"temperature must be 0 with beam search (beams are ranked by the model's log-probabilities), "
+                             f"got {self.temperature!r}")
+        # Beams are ranked by the model's own log-softmax; settings that change or cut the
+        # distribution, per-sequence stop strings and streamed logprobs are not applied.
+        defaults = SamplingParams()
+        unsupported = [name for name in _NOT_WITH_BEAM_SEARCH if getattr(self, name) != getattr(defaults, name)]
+        if unsupported:
+            raise ValueError(f"{unsupported[0]} is not supported with beam search (beam_width); leave it unset")
 
     @property
     def is_greedy(self) -> bool:

@@ -297,6 +297,9 @@ class ContiguousKVCacheManager:
     def fork(self, parent: Request, child: Request) -> None:
         raise ValueError("n > 1 needs the paged KV layout: a region is never shared")
 
+    def repoint(self, moves: Sequence[tuple[Request, Request]]) -> None:
+        raise ValueError("beam search needs the paged KV layout: a region is never shared")
+
     def free(self, request: Request) -> None:
         """Give the region's pages back to the OS now and return the region to the pool."""
         row = self._rows.pop(request.request_id, None)

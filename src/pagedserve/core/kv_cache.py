@@ -58,7 +58,7 @@ class KVCache(Protocol):
 
     @property
     def supports_forks(self) -> bool:
-        """Whether n > 1 children can share their parent's blocks (fork)."""
+        """Whether n > 1 children and beams can share their parent's blocks (fork, repoint)."""
         ...
 
     @property
@@ -139,6 +139,11 @@ class KVCache(Protocol):
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` the parent's table (only where supports_forks)."""
+        ...
+
+    def repoint(self, moves: Sequence[tuple[Request, Request]]) -> None:
+        """Beam search: each (member, source) gives the member a share of the source's table
+        as it was before the call, dropping the member's own (only where supports_forks)."""
         ...
 
     def free(self, request: Request) -> None: ...

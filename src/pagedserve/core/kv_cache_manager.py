@@ -33,7 +33,7 @@ class _Row:
 class KVCacheManager:
     """The paged layout's KVCache (core/kv_cache.py)."""
 
-    # n > 1 children share their parent's blocks (copy-on-write).
+    # n > 1 children and beams share their parent's blocks (copy-on-write).
     supports_forks = True
 
     # A block-hash index that KV events (core/kv_events.py) can stream.
@@ -235,6 +235,23 @@ class KVCacheManager:
         self.pool.acquire(prow.blocks)
         num_hashed = min(prow.num_hashed_blocks, child.num_computed_tokens // self.block_size)
         self._rows[child.request_id] = _Row(child, list(prow.blocks), num_hashed, child.num_computed_tokens)
+
+    def repoint(self, moves: Sequence[tuple[Request, Request]]) -> None:
+        """Beam search: for each (member, source), the member's table becomes a share of the
+        source's table as it was before this call (sources may themselves move); the blocks
+        the member held are dropped. No block is copied: a partly filled last block now
+        shared gets its private copy when a member next writes it (allocate_slots)."""
+        pairs = [(self._rows[m.request_id], self._rows[s.request_id]) for m, s in moves]
+        taken = [(list(src.blocks), src.num_hashed_blocks, src.num_stored_tokens) for _, src in pairs]
+        # Every new reference before any old one goes, so a block both kept and dropped never
+        # passes through the free queue.
+        for blocks, _, _ in taken:
+            self.pool.acquire(blocks)
+        dropped = [row.blocks for row, _ in pairs]
+        for (row, _), (blocks, hashed, stored) in zip(pairs, taken):
+            row.blocks, row.num_hashed_blocks, row.num_stored_tokens = blocks, hashed, stored
+        for blocks in dropped:
+            self.pool.release(reversed(blocks))
 
     def free(self, request: Request) -> None:
         """Return every block of the request; the tail goes first so it is evicted first."""

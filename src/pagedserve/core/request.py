@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from .beam_search import BeamGroup
 from .validation import is_int, require_int
 
 CHILD_ID_SEPARATOR = "#"
@@ -86,6 +87,9 @@ class Request:
     # A pooling request (one of POOLING_TYPES; None: generation) computes its prompt and
     # finishes when the prompt is done: it never samples, and max_tokens is not reserved.
     pooling: str | None = None
+    # Beam search: the group every member (this request and its forked children, n = the
+    # beam width) shares; None for sampling.
+    beam: BeamGroup | None = None
 
     output_token_ids: list[int] = field(init=False)
     # Prompt + outputs in one list that only grows, so a step's token slice is cheap.
@@ -226,4 +230,25 @@ class Request:
         child.block_hashes = self.block_hashes[: self.num_computed_tokens // block_size]
         child.status = RequestStatus.RUNNING
         return child
+
+    def token_state(self) -> TokenState:
+        """A copy of the tokens and computed prefix, for another beam to adopt."""
+        return TokenState(list(self.output_token_ids), list(self.all_token_ids), self.num_computed_tokens,
+                          list(self.block_hashes))
+
+    def adopt(self, state: TokenState) -> None:
+        """Become another beam (beam search re-points a member): its tokens and computed
+        prefix; the KV cache re-points the blocks to match."""
+        self.output_token_ids = state.output_token_ids
+        self.all_token_ids = state.all_token_ids
+        self.num_computed_tokens = state.num_computed_tokens
+        self.block_hashes = state.block_hashes
+
+
+@dataclass(frozen=True, slots=True)
+class TokenState:
+    output_token_ids: list[int]
+    all_token_ids: list[int]
+    num_computed_tokens: int
+    block_hashes: list[bytes]
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+from .beam_search import BeamCandidates
 from .config import CacheConfig, SchedulerConfig
 from .kv_cache import Allocation, KVCache, PrefixHit
 from .kv_cache_manager import KVCacheManager
@@ -146,6 +147,8 @@ class Scheduler:
         self._unsynced: set[str] = set()
         self._truncated: set[str] = set()
         self._children: dict[str, list[Request]] = {}
+        # Beam search: every member of a group by root id, in member-index order, until all are released.
+        self._beam_members: dict[str, list[Request]] = {}
         self._released_ids: list[str] = []
 
     # -- requests in -----------------------------------------------------------------
@@ -161,6 +164,9 @@ class Scheduler:
             raise ValueError(f"request {rid} must be new (waiting, no outputs, nothing computed)")
         if request.n > self.config.max_num_seqs:
             raise ValueError(f"request {rid}: n ({request.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
+        if request.beam is not None and not self.kv_cache.supports_forks:
+            raise ValueError(f"request {rid}: beam search needs kv_layout='paged' (beams share pages, which the "
+                             "contiguous layout cannot)")
         if request.n > 1 and not self.kv_cache.supports_forks:
             raise ValueError(f"request {rid}: n > 1 needs kv_layout='paged' (forked samples share pages, "
                              "which the contiguous layout cannot)")
@@ -176,6 +182,8 @@ class Scheduler:
             raise ValueError(f"request {rid}: {what} tokens {problem}")
         self.transfers.validate(request)
         self.requests[rid] = request
+        if request.beam is not None:
+            self._beam_members[rid] = [request]
         self.waiting.add(request)
 
     # -- one step ----------------------------------------------------------------------
@@ -407,7 +415,8 @@ class Scheduler:
     def _num_samples(req: Request, start: int, n: int) -> int:
         if start + n < req.num_tokens or req.pooling is not None:
             return 0  # a partial prefill chunk: its logits predict nothing new
-        return req.n if req.fork_pending else 1
+        # A beam group's row gives one logits row whatever its width (its candidates come from it).
+        return req.n if req.fork_pending and req.beam is None else 1
 
     def _make_room(
         self, req: Request, n: int, step: _Step, hit: PrefixHit | None, may_preempt: bool
@@ -461,6 +470,13 @@ class Scheduler:
             self._preempt(victim, step)
 
     def _preempt(self, victim: Request, step: _Step) -> None:
+        if victim.beam is not None and len(self._live_beams(victim.parent_id or victim.request_id)) > 1:
+            # A beam cannot rejoin its group after a recompute; the group goes on without it.
+            step.drop(victim.request_id)
+            victim.beam.scores.pop(victim.index, None)
+            self._drop_beam(victim)
+            self.num_preemptions += 1
+            return
         step.drop(victim.request_id)
         self.running.remove(victim)
         self.kv_cache.free(victim)
@@ -482,14 +498,16 @@ class Scheduler:
         from the runner between steps; ids no longer running are ignored."""
         for rid, tokens in drafts.items():
             req = self.requests.get(rid)
-            if req is not None and req.status is RUNNING:
+            if req is not None and req.status is RUNNING and req.beam is None:  # beams advance together, unspeculated
                 req.spec_token_ids = tokens
 
     # -- results in ----------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]]) -> list[RequestUpdate]:
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]],
+               beams: Mapping[str, BeamCandidates] | None = None) -> list[RequestUpdate]:
         """Apply one step's sampled tokens (request id -> its num_samples tokens; for a
-        row with drafts, the accepted drafts plus the target's token: 1 to num_samples).
+        row with drafts, the accepted drafts plus the target's token: 1 to num_samples)
+        and its beam candidates (root request id -> the group's best continuations).
 
         Rows that sample nothing (partial prefill chunks, padding) and requests that
         finished or were aborted since schedule() are skipped. Returns one update per
@@ -506,7 +524,7 @@ class Scheduler:
                 updates.append(RequestUpdate(req, [], STOPPED))
                 finished.append(req)
                 continue
-            if k == 0 or req.status is not RUNNING:
+            if k == 0 or req.status is not RUNNING or req.beam is not None:
                 continue
             tokens = sampled.get(row.request_id)
             if row.draft_token_ids:
@@ -534,7 +552,57 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is RUNNING]
             for req in finished:
                 self._retire(req, was_running=True)
+        if beams:
+            updates += self._advance_beams(beams)
         return updates
+
+    def _live_beams(self, root_id: str) -> list[Request]:
+        return [m for m in self._beam_members.get(root_id, ()) if m.status is RUNNING]
+
+    def _advance_beams(self, beams: Mapping[str, BeamCandidates]) -> list[RequestUpdate]:
+        """Advance each group by its candidates: live beams extend or re-point, finished
+        groups end (one update each, for the root request, whose `beam` holds the result)."""
+        updates = []
+        for root_id, candidates in beams.items():
+            live = self._live_beams(root_id)
+            if not live:
+                continue  # aborted since the step was scheduled
+            group = live[0].beam
+            continuations = group.advance(candidates, {m.index: m.output_token_ids for m in live})
+            root = self._beam_members[root_id][0]
+            if group.done:
+                for member in live:
+                    self._end(member, RequestStatus.FINISHED_STOPPED)
+                updates.append(RequestUpdate(root, [], RequestStatus.FINISHED_STOPPED))
+                continue
+            if root.fork_pending:
+                self._beam_members[root_id].extend(self._fork(root))
+                live = self._live_beams(root_id)
+            self._repoint_beams(live, continuations)
+        return updates
+
+    def _repoint_beams(self, live: list[Request], continuations: list[tuple[int, int, float]]) -> None:
+        """Seat the group's live continuations in its members: a member that continues another
+        beam adopts that beam's tokens and shares its blocks; members left over are dropped."""
+        by_index = {m.index: m for m in live}
+        placements, empty = live[0].beam.place(continuations, sorted(by_index))
+        moves = [(by_index[p.slot], by_index[p.source]) for p in placements if p.slot != p.source]
+        states = [source.token_state() for _, source in moves]
+        self.kv_cache.repoint(moves)
+        for (member, _), state in zip(moves, states):
+            member.adopt(state)
+            self._unsynced.add(member.request_id)
+        for p in placements:
+            by_index[p.slot].append_output_token(p.token)
+        for slot in empty:
+            self._drop_beam(by_index[slot])
+
+    def _drop_beam(self, member: Request) -> None:
+        """Release a beam its group no longer needs (nothing reports it: the group reports once)."""
+        self.running.remove(member)
+        member.status = RequestStatus.FINISHED_STOPPED
+        self._seats -= member.num_seats
+        self._retire(member, was_running=False)
 
     def _verify(self, row: ScheduledRequest, tokens: Sequence[int]) -> RequestUpdate:
         """Keep a speculative row's accepted tokens and roll its KV back to them."""
@@ -646,6 +714,9 @@ class Scheduler:
         family = self._children.get(root)
         if family is not None and root not in self.requests and all(c.request_id not in self.requests for c in family):
             del self._children[root]
+        beams = self._beam_members.get(root)
+        if beams is not None and all(m.request_id not in self.requests for m in beams):
+            del self._beam_members[root]
 
     # -- introspection -------------------------------------------------------------------
 

@@ -52,6 +52,25 @@ class LLM:
         return self._run([partial(self.engine.add_request, p, sp, lora_name=lora)
                           for p, sp, lora in zip(prompts, params, loras)], use_tqdm)
 
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        beam_width: int,
+        max_tokens: int = 16,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        n: int | None = None,
+        ignore_eos: bool = False,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Beam search, as transformers' generate(num_beams=beam_width, do_sample=False,
+        length_penalty=..., early_stopping=...): per prompt, the best n (default beam_width)
+        finished beams, best first."""
+        params = SamplingParams(n=beam_width if n is None else n, temperature=0.0, max_tokens=max_tokens,
+                                ignore_eos=ignore_eos, beam_width=beam_width, length_penalty=length_penalty,
+                                early_stopping=early_stopping)
+        return self.generate(prompts, params, use_tqdm)
+
     def chat(
         self,
         messages: Conversation | Sequence[Conversation],

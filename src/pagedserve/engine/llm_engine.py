@@ -44,6 +44,7 @@ from ..worker.draft_model import draft_kv, load_draft
 from ..worker.model_runner import ModelRunner, RunnerOutput
 from ..worker.pooling import finish_embedding
 from ..worker.sampler import LogprobsTensors
+from .beam_outputs import beam_group, beam_samples, beam_sampling_state
 from .detokenizer import IncrementalDetokenizer
 from .device_memory import device_memory_plan, kv_dtype_bytes
 from .placement import resolve_placement
@@ -303,6 +304,7 @@ class LLMEngine:
             self.structured_outputs.matchers(params.structured_outputs, params.n)
             if params.structured_outputs is not None else [None] * params.n
         )
+        beam = params.beam_width is not None
         request = Request(
             request_id=rid,
             prompt_token_ids=prompt_ids,
@@ -310,16 +312,18 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             priority=priority,
             min_tokens=params.min_tokens,
-            n=params.n,
+            n=params.beam_width if beam else params.n,
             eos_token_id=self.tokenizer.eos_token_id,
             stop_token_ids=frozenset(params.stop_token_ids) | (self.tokenizer.stop_token_ids if not params.ignore_eos else frozenset()),
             ignore_eos=params.ignore_eos,
             cache_salt=cache_salt,
             lora_id=lora_id,
             skip_prefix_cache=params.prompt_logprobs is not None,
-            sampling=SamplingState.for_request(params, matchers),
+            sampling=beam_sampling_state(params) if beam else SamplingState.for_request(params, matchers),
             kv_transfer_params=kv_transfer_params,
         )
+        if beam:
+            request.beam = beam_group(params, max_tokens, request.stop_token_ids, request.eos_token_id)
         self.scheduler.add_request(request)
         self._tracked[rid] = _Tracked(rid, prompt_text, prompt_ids, params, RequestMetrics(request.arrival_time),
                                       prompt_logprobs=[None] * len(prompt_ids) if params.prompt_logprobs is not None
@@ -432,7 +436,7 @@ class LLMEngine:
                 if tracked is not None and tracked.metrics.first_scheduled_time is None:
                     tracked.metrics.first_scheduled_time = now
         result = self.runner.execute(sched)
-        updates = self.scheduler.update(sched, result.sampled)
+        updates = self.scheduler.update(sched, result.sampled, result.beams)
         if self.kv_connector is not None:
             if sched.is_empty and not self.scheduler.running:
                 # Only transfers in flight: sleep until one ends instead of spinning.
@@ -452,12 +456,15 @@ class LLMEngine:
             tracked = self._tracked.get(req.parent_id or req.request_id)
             if tracked is None:
                 continue
+            samples = changed.setdefault(tracked.request_id, (tracked, []))[1]
+            if req.beam is not None:
+                samples += self._finish_beam_search(tracked, req, now)
+                continue
             if tracked.pooling is not None:
                 sample = self._finish_pooling(tracked, req, result.pooled[req.request_id], now)
             else:
                 sample = self._apply(tracked, req, update.new_token_ids, update.finished,
                                      logprobs.get((req.parent_id or req.request_id, req.index)), now)
-            samples = changed.setdefault(tracked.request_id, (tracked, []))[1]
             if sample is not None:
                 samples.append(sample)
         if self.runner.speculates and self.speculate:
@@ -524,6 +531,20 @@ class LLMEngine:
         m.num_cached_tokens = req.num_cached_tokens or 0
         m.num_preemptions = req.num_preemptions
         return SampleDelta(req.index, "", (), None, "stop", None)
+
+    def _finish_beam_search(self, tracked: _Tracked, req: Request, now: float) -> list[SampleDelta]:
+        """A beam group ended: its best n hypotheses become the request's samples, each whole."""
+        samples = []
+        for sample, detokenizer in beam_samples(req.beam, tracked.params, self.tokenizer, tracked.prompt_token_ids):
+            tracked.sequences[sample.index] = _Sequence(detokenizer, sample.finish_reason)
+            samples.append(sample)
+        m = tracked.metrics
+        m.first_token_time = m.first_token_time or now
+        m.last_token_time = m.finished_time = now
+        m.num_cached_tokens = req.num_cached_tokens or 0
+        m.num_preemptions = req.num_preemptions
+        tracked.num_finished = tracked.params.n
+        return samples
 
     @staticmethod
     def _detokenize(detokenizer: IncrementalDetokenizer, new_ids: list[int]) -> tuple[str, str | None, list[int]]:

@@ -126,6 +126,18 @@ class CompletionRequest(GenerationBody):
     logprobs: _Logprobs | None = Field(None, description="At most --max-logprobs.")
     echo: bool = False
     best_of: int | None = Field(None, description="Only n itself is supported.")
+    # Beam search (vLLM's extension; scored as transformers' generate(num_beams=...)).
+    use_beam_search: bool = Field(False, description="Beam search: the n best of beam_width beams; temperature 0 "
+                                                     "(the default then), no stream, stop strings, logprobs, "
+                                                     "penalties, filters or structured output.")
+    beam_width: Annotated[int, Field(ge=1, description="Beams kept each step; default n, at most --max-n; "
+                                                       "only with use_beam_search.")] | None = None
+    length_penalty: Annotated[float, Field(allow_inf_nan=False, description=(
+        "A finished beam scores its summed logprob / generated tokens ** length_penalty (default 1); only with "
+        "use_beam_search."))] | None = None
+    early_stopping: bool | Literal["never"] | None = Field(None, description=(
+        "transformers' meaning: true stops once beam_width beams finished, false (default) once no running beam "
+        "can do better, \"never\" bounds that at max_tokens; only with use_beam_search."))
     suffix: Annotated[str, Field(max_length=0, description="Not supported: must be empty.")] | None = None
 
 

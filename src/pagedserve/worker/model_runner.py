@@ -32,6 +32,7 @@ from ..model.llama import LlamaModel
 from ..model.lora import LoRABatch, LoRASlots
 from ..spec_decode.config import SpeculativeConfig
 from ..spec_decode.ngram import NgramProposer
+from .beam_candidates import beam_candidates, split_beam_rows
 from .block_table import BlockTableRows
 from .cuda_graphs import DecodeGraphRunner, capture_sizes
 from .device_inputs import DeviceInputs
@@ -261,11 +262,19 @@ class ModelRunner:
             num_extra = len(inputs.prompt_logprobs.logits_indices)
             prompt_logprobs = compute_prompt_logprobs(logits[-num_extra:].cpu(), inputs.prompt_logprobs)
             logits = logits[:-num_extra]
-        if not inputs.sampling:
-            return RunnerOutput({}, None, [], prompt_logprobs, pooled)
-        result = sample_rows(logits, inputs.sampling, inputs.first_logits_row, self.eos_token_ids)
+        sampling, first_logits_row, beams = inputs.sampling, inputs.first_logits_row, {}
+        if any(s.request.beam is not None for s in sampling):
+            split = split_beam_rows(sampling, first_logits_row)
+            beams = beam_candidates(logits[torch.from_numpy(split.beam_logits_rows).to(logits.device)],
+                                    split.beam_members)
+            sampling, first_logits_row = split.sampling, split.first_logits_row
+            logits = logits[torch.from_numpy(split.kept_logits_rows).to(logits.device)]
+        if not sampling:
+            return RunnerOutput({}, None, [], prompt_logprobs, pooled, beams)
+        result = sample_rows(logits, sampling, first_logits_row, self.eos_token_ids)
         result.prompt_logprobs = prompt_logprobs
         result.pooled = pooled
+        result.beams = beams
         return result
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..core.beam_search import BeamCandidates
 from ..core.outputs import ScheduledRequest
 from ..core.request import Request
 from ..sampling_params import token_seed
@@ -41,6 +42,8 @@ class RunnerOutput:
     # Pooling requests whose prompt this step finished: request id -> pooled final hidden
     # state (fp32, CPU, before truncation or normalisation; worker/pooling.py).
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Beam search: each group's best continuations this step, by root request id.
+    beams: dict[str, BeamCandidates] = field(default_factory=dict)
 
 
 def _generator(seed: int | None, position: int) -> torch.Generator | None:

@@ -91,8 +91,9 @@ def check_prompt_chars(text: str, limits: RequestLimits, max_context_len: int, p
 
 
 def sampling_params(req: GenerationBody, limits: RequestLimits, *, max_tokens: int | None,
-                    logprobs: int | None, logprobs_param: str) -> SamplingParams:
-    """SamplingParams for a request; every invalid value is a 400 naming its field."""
+                    logprobs: int | None, logprobs_param: str, beam: dict | None = None) -> SamplingParams:
+    """SamplingParams for a request; every invalid value is a 400 naming its field. `beam`:
+    the beam-search fields (beam_search_fields), None for sampling."""
     n = 1 if req.n is None else req.n
     if n > limits.max_n:
         raise APIError(400, f"n must be at most {limits.max_n} on this server, got {n}", param="n")
@@ -112,7 +113,7 @@ def sampling_params(req: GenerationBody, limits: RequestLimits, *, max_tokens: i
             logit_bias=req.logit_bias, stop=stop, stop_token_ids=req.stop_token_ids,
             include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
             skip_special_tokens=req.skip_special_tokens, logprobs=logprobs,
-            **{name: value for name, value in given.items() if value is not None},
+            **{name: value for name, value in given.items() if value is not None}, **(beam or {}),
         )
         params.validate_for_vocab(limits.vocab_size)
         return params
@@ -132,11 +133,35 @@ def completion_sampling_params(req: CompletionRequest, limits: RequestLimits) ->
             raise APIError(400, "max_tokens must be >= 1, or 0 with echo (to score the prompt)", param="max_tokens")
         # The engine always samples one token; the server drops it (CompletionServing).
         max_tokens = 1
-    params = sampling_params(req, limits, max_tokens=max_tokens, logprobs=req.logprobs, logprobs_param="logprobs")
+    params = sampling_params(req, limits, max_tokens=max_tokens, logprobs=req.logprobs, logprobs_param="logprobs",
+                             beam=beam_search_fields(req, limits))
     if req.echo and req.logprobs is not None:
         # Echoed prompts carry their tokens' logprobs too, as OpenAI's legacy API did.
         params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
     return params
+
+
+def beam_search_fields(req: CompletionRequest, limits: RequestLimits) -> dict | None:
+    """The SamplingParams fields of a beam search (None without use_beam_search); 400 for
+    beam fields without it, for stream, and for a width beyond --max-n."""
+    given = {"beam_width": req.beam_width, "length_penalty": req.length_penalty, "early_stopping": req.early_stopping}
+    if not req.use_beam_search:
+        for name, value in given.items():
+            if value is not None:
+                raise APIError(400, f"{name} needs use_beam_search: true", param=name)
+        return None
+    if req.stream:
+        raise APIError(400, "stream is not supported with use_beam_search (the beams are ranked once they finish)",
+                       param="stream")
+    width = req.beam_width if req.beam_width is not None else (req.n or 1)
+    if width > limits.max_n:
+        raise APIError(400, f"beam_width must be at most {limits.max_n} on this server, got {width}",
+                       param="beam_width")
+    fields = {name: value for name, value in given.items() if value is not None}
+    fields["beam_width"] = width
+    if req.temperature is None:
+        fields["temperature"] = 0.0  # beams are ranked by log-probability; sampling's default does not apply
+    return fields
 
 
 def chat_sampling_params(req: ChatCompletionRequest, limits: RequestLimits) -> SamplingParams:
