@@ -47,6 +47,16 @@ def threads(request):
 
 
 @pytest.fixture(scope="session")
+def ray_test_cluster():
+    """One real two-node Ray cluster (tests/ray_cluster.py) for every module that needs one:
+    each start and stop costs ~15 s of the default run."""
+    from ray_cluster import ray_cluster
+
+    with ray_cluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
 def gguf_path():
     return default_model_path()
 

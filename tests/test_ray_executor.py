@@ -20,7 +20,6 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.ray_ranks import placement_strategy
 from pagedserve.model.loader import load_model
-from ray_cluster import ray_cluster
 from server.server_process import start_server
 from test_tensor_parallel import KILL_BOUND_S, TINY_PROMPTS, assert_a_kill_fails_generate, running, write_tiny_llama
 
@@ -34,18 +33,12 @@ def test_the_group_packs_on_one_node_only_when_the_engine_node_holds_every_rank(
     assert placement_strategy(3, EngineConfig(tensor_parallel_size=3)) == "STRICT_PACK"
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with ray_cluster() as c:
-        yield c
-
-
 @pytest.fixture
-def on_cluster(cluster, monkeypatch):
+def on_cluster(ray_test_cluster, monkeypatch):
     """This process joins the cluster as the engine's driver."""
-    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
-    monkeypatch.setenv("RAY_AUTH_MODE", cluster.env["RAY_AUTH_MODE"])
-    return cluster
+    monkeypatch.setenv("RAY_ADDRESS", ray_test_cluster.address)
+    monkeypatch.setenv("RAY_AUTH_MODE", ray_test_cluster.env["RAY_AUTH_MODE"])
+    return ray_test_cluster
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from pagedserve.entrypoints.ray_serve.app import APP_NAME, DECODE_DEPLOYMENT, EN
 from pagedserve.entrypoints.ray_serve.replica import REPLICA_HEADER
 from pagedserve.entrypoints.ray_serve.settings import RayServeConfig
 from pagedserve.workload.datasets import shared_prefix_dataset
-from ray_cluster import free_port, ray_cluster
+from ray_cluster import free_port
 from server.server_process import wait_healthy
 
 APP_STARTUP_S = 300.0
@@ -60,27 +60,26 @@ def test_the_config_file_is_checked_and_build_app_reads_it(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    """The app on its own cluster; this process is its driver."""
+def app(ray_test_cluster):
+    """The app on the session's cluster; this process is its driver."""
     import ray
     from ray import serve
 
-    with ray_cluster() as cluster:
-        joined = {k: cluster.env[k] for k in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
-        os.environ.update(joined)
-        ray.init()
-        try:
-            port = free_port()
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            serve.run(deployments(RayServeConfig.from_dict(CONFIG)), name=APP_NAME, route_prefix="/")
-            url = f"http://127.0.0.1:{port}"
-            assert wait_healthy(url, APP_STARTUP_S), "the Serve app did not become healthy"
-            yield url
-        finally:
-            serve.shutdown()
-            ray.shutdown()
-            for name in joined:
-                del os.environ[name]
+    joined = {k: ray_test_cluster.env[k] for k in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    os.environ.update(joined)
+    ray.init()
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(deployments(RayServeConfig.from_dict(CONFIG)), name=APP_NAME, route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        assert wait_healthy(url, APP_STARTUP_S), "the Serve app did not become healthy"
+        yield url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        for name in joined:
+            del os.environ[name]
 
 
 def replica_stats(app: str = APP_NAME, deployment: str = ENGINE_DEPLOYMENT) -> dict[str, dict]:

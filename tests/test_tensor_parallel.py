@@ -233,7 +233,7 @@ class TestSmolLM2AtTP3:
         # With 3 ranks the order of a sum matters (a+b+c); the all-reduce adds in rank order
         # whatever the batch, so a row's tokens do not depend on its neighbours.
         prompts, params = busy_batch(tp3.tokenizer)
-        prompts, params = prompts[:12], params[:12]
+        prompts, params = prompts[:6], params[:6]
         alone = [tp3.generate([prompts[i]], params[i], use_tqdm=False)[0].outputs[0].token_ids for i in (0, 1, 5)]
         batch = tp3.generate(prompts, params, use_tqdm=False)
         assert [batch[i].outputs[0].token_ids for i in (0, 1, 5)] == alone
