@@ -1,11 +1,11 @@
 """Read a GGUF file: its metadata as plain Python values and its tensors as float32 or
 as the blocks they are stored in.
 
-The `gguf` package does the parsing and dequantisation; this module turns its reader
-objects into plain data the rest of pagedserve can use, and stands between it and a
-malformed file. `read_tensors` reads the tensor table alone, walking the header with the
-same checks (80 ms on SmolLM2's 49k-entry vocabulary, where the reader takes 2 s): a model
-whose metadata is cached starts from the file's memory map. Either way, whatever is wrong
+The header (metadata and tensor table) is walked here, every length checked against the
+bytes left before it is trusted; the `gguf` package dequantises. The walk decodes the
+metadata as it goes (~0.1 s on SmolLM2's 49k-entry vocabulary, where gguf's reader takes
+2 s: a GGUF's first load and every test file), and `read_tensors` reads the tensor table
+alone. Whatever is wrong
 (truncation, bad magic or version, absurd counts, dimensions or offsets, unknown types,
 bad strings, non-finite weights), the caller
 gets a `ValueError` naming the file and the problem, in time and memory bounded by the
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUFReader, GGUFValueType, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUFValueType, GGMLQuantizationType
 from gguf.quants import dequantize
 
 # Types we promise to load (tests/test_gguf_types.py writes and reads each): the ones
@@ -37,29 +37,10 @@ SUPPORTED_TYPES = frozenset(
 _MIN_KV_BYTES = 8 + 1 + 4 + 1
 _MIN_TENSOR_INFO_BYTES = 8 + 1 + 4 + 8 + 4 + 8
 _MAX_DIMS = 4  # GGML_MAX_DIMS
-# What the reader raises on bytes it cannot make sense of (it does not check much itself).
-_PARSE_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, struct.error, UnicodeDecodeError)
 
 
 class GGUFFormatError(ValueError):
     """The file is not a GGUF file this reader can use; the message says why."""
-
-
-def _field_value(field: Any) -> Any:
-    """A GGUF metadata field as a plain value: str, int, float, bool or a list."""
-    main = field.types[0]
-    if main == GGUFValueType.ARRAY:
-        sub = field.types[-1]
-        if sub == GGUFValueType.STRING:
-            # Decode in one pass; ReaderField.contents() is slow on 49k strings.
-            parts = field.parts
-            return [bytes(parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        values = np.concatenate([field.parts[i] for i in field.data]) if field.data else np.array([])
-        return values.tolist()
-    if main == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    value = field.parts[field.data[0]][0]
-    return value.item() if hasattr(value, "item") else value
 
 
 @dataclass(frozen=True)
@@ -89,19 +70,9 @@ class GGUFFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        _check_header(self.path)
-        try:
-            self._reader = GGUFReader(self.path)
-            self.metadata: dict[str, Any] = {
-                key: _field_value(field)
-                for key, field in self._reader.fields.items()
-                if not key.startswith("GGUF.")
-            }
-            self._tensors = [self._tensor(t) for t in self._reader.tensors]
-        except GGUFFormatError as e:
-            raise GGUFFormatError(f"{self.path}: {e}") from None
-        except _PARSE_ERRORS as e:
-            raise GGUFFormatError(f"{self.path} is not a valid GGUF file: {type(e).__name__}: {e}") from None
+        header = _check_header(self.path)
+        self.metadata: dict[str, Any] = header.metadata
+        self._tensors = _map_tensors(self.path, header)
 
     @property
     def architecture(self) -> str:
@@ -110,22 +81,21 @@ class GGUFFile:
     def tensors(self) -> list[GGUFTensor]:
         return list(self._tensors)
 
-    @staticmethod
-    def _tensor(t: Any) -> GGUFTensor:
-        dims = [int(d) for d in t.shape]
-        # The reader checks sizes and offsets against the file (a short view does not
-        # reshape) but takes a zero dimension as an empty tensor.
-        if not 1 <= len(dims) <= _MAX_DIMS or min(dims) < 1:
-            raise GGUFFormatError(f"tensor {t.name!r} has dimensions {dims}")
-        # GGUF lists dims fastest-first; reverse for row-major.
-        return GGUFTensor(name=t.name, qtype=t.tensor_type, shape=tuple(reversed(dims)), raw=t.data)
 
-
-_SCALAR_SIZES = {
-    GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1, GGUFValueType.UINT16: 2,
-    GGUFValueType.INT16: 2, GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
-    GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8,
+# Each scalar type's struct / numpy format character.
+_SCALAR_FORMATS = {
+    GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.BOOL: "?", GGUFValueType.UINT16: "H",
+    GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i", GGUFValueType.FLOAT32: "f",
+    GGUFValueType.UINT64: "Q", GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d",
 }
+
+
+@dataclass(frozen=True)
+class _Header:
+    alignment: int
+    infos: list[tuple[str, list[int], int, int]]  # each tensor's name, dims fastest-first, type, offset
+    end: int  # where the header ends
+    metadata: dict[str, Any]  # every entry as a plain value: str, int, float, bool or a list
 
 
 class _Cursor:
@@ -146,38 +116,39 @@ class _Cursor:
         self.skip(size, what)
         return bytes(self.data[self.pos - size:self.pos])
 
-    def uint(self, fmt: str, what: str) -> int:
+    def unpack(self, fmt: str, what: str) -> Any:
         return struct.unpack(self.order + fmt, self.take(struct.calcsize(fmt), what))[0]
 
-    def string(self, what: str) -> None:
-        self.skip(self.uint("Q", f"the length of {what}"), what)
-
     def read_string(self, what: str) -> bytes:
-        return self.take(self.uint("Q", f"the length of {what}"), what)
+        return self.take(self.unpack("Q", f"the length of {what}"), what)
 
 
 def header_bytes(path: str | Path) -> int:
     """Where the header (metadata and tensor table) ends: everything a model's config,
     tokenizer and tensor layout come from."""
-    return _check_header(Path(path))[2]
+    return _check_header(Path(path)).end
 
 
 def read_tensors(path: str | Path) -> list[GGUFTensor]:
     """Every tensor's name, type, shape and bytes (memory-mapped, read-only), from the header
     alone; GGUFFormatError if the table is malformed or a tensor runs past the file."""
     path = Path(path)
-    alignment, infos, end = _check_header(path)
-    data_start = -(-end // alignment) * alignment
+    return _map_tensors(path, _check_header(path))
+
+
+def _map_tensors(path: Path, header: _Header) -> list[GGUFTensor]:
+    alignment = header.alignment
+    data_start = -(-header.end // alignment) * alignment
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
     tensors = []
-    for name, dims, kind, offset in infos:
+    for name, dims, kind, offset in header.infos:
         try:
             qtype = GGMLQuantizationType(kind)
             block_values, block_bytes = GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError):
             raise GGUFFormatError(f"{path}: tensor {name!r} has unknown GGML type {kind}") from None
         if min(dims) < 1 or dims[0] % block_values:
-            raise GGUFFormatError(f"{path}: tensor {name!r} has dimensions {dims} (rows of whole "
+            raise GGUFFormatError(f"{path}: tensor {name!r} ({qtype.name}) has dimensions {dims} (rows of whole "
                                   f"{block_values}-value blocks needed)")
         nbytes = int(np.prod(dims, dtype=np.int64)) // block_values * block_bytes
         start = data_start + offset
@@ -194,11 +165,9 @@ def read_tensors(path: str | Path) -> list[GGUFTensor]:
     return tensors
 
 
-def _check_header(path: Path) -> tuple[int, list[tuple[str, list[int], int, int]], int]:
+def _check_header(path: Path) -> _Header:
     """Walk the header (magic, version, counts, every metadata entry and tensor entry)
-    checking each length against the bytes left, before the reader trusts any of them.
-    Returns the data alignment, each tensor's (name, dims fastest-first, type, offset) and
-    where the header ends."""
+    checking each length against the bytes left before reading what it covers."""
     size = path.stat().st_size
     if size < 24:
         raise GGUFFormatError(f"{path} is {size} bytes long, too short for a GGUF header")
@@ -225,49 +194,57 @@ def _check_header(path: Path) -> tuple[int, list[tuple[str, list[int], int, int]
             view.release()
 
 
-def _check_entries(cursor: _Cursor, num_kv: int, num_tensors: int) -> tuple[int, list, int]:
+def _check_entries(cursor: _Cursor, num_kv: int, num_tensors: int) -> _Header:
     alignment = GGUF_DEFAULT_ALIGNMENT
+    metadata = {}
     for index in range(num_kv):
         key, kind, value = _check_value(cursor, f"metadata entry {index}")
-        if key == b"general.alignment":
+        metadata[key] = value
+        if key == "general.alignment":
             if kind != GGUFValueType.UINT32:
                 raise GGUFFormatError("general.alignment is not a uint32")
-            alignment = struct.unpack(cursor.order + "I", value)[0]
+            alignment = value
             if alignment < 1 or alignment & (alignment - 1):
                 raise GGUFFormatError(f"general.alignment {alignment} is not a power of two")
     infos = []
     for index in range(num_tensors):
         name = cursor.read_string(f"the name of tensor {index}").decode("utf-8", errors="replace")
-        num_dims = cursor.uint("I", f"the dimension count of tensor {index}")
+        num_dims = cursor.unpack("I", f"the dimension count of tensor {index}")
         if not 1 <= num_dims <= _MAX_DIMS:
             raise GGUFFormatError(f"tensor {index} has {num_dims} dimensions (1 to {_MAX_DIMS} allowed)")
         fields = cursor.take(8 * num_dims + 4 + 8, f"the dimensions, type and offset of tensor {index}")
         *dims, kind, offset = struct.unpack(cursor.order + "Q" * num_dims + "IQ", fields)
         infos.append((name, dims, kind, offset))
-    return alignment, infos, cursor.pos
+    return _Header(alignment, infos, cursor.pos, metadata)
 
 
-def _check_value(cursor: _Cursor, what: str) -> tuple[bytes, int, bytes | None]:
-    """Skips one metadata entry; returns its key, type and (for a scalar) value bytes."""
-    key = cursor.read_string(f"the key of {what}")
-    kind = cursor.uint("I", f"the type of {what}")
-    value = None
+def _check_value(cursor: _Cursor, what: str) -> tuple[str, int, Any]:
+    """Reads one metadata entry: its key, type and value."""
+    key = _decode(cursor.read_string(f"the key of {what}"), f"the key of {what}")
+    kind = cursor.unpack("I", f"the type of {what}")
     if kind == GGUFValueType.STRING:
-        cursor.string(what)
-    elif kind == GGUFValueType.ARRAY:
-        item_kind = cursor.uint("I", f"the item type of {what}")
-        count = cursor.uint("Q", f"the length of {what}")
+        return key, kind, _decode(cursor.read_string(what), what)
+    if kind == GGUFValueType.ARRAY:
+        item_kind = cursor.unpack("I", f"the item type of {what}")
+        count = cursor.unpack("Q", f"the length of {what}")
         if item_kind == GGUFValueType.STRING:
             if count * 8 > len(cursor.data) - cursor.pos:
                 raise GGUFFormatError(f"{what} claims {count} strings, more than the file can hold")
-            for _ in range(count):
-                cursor.string(f"a string of {what}")
-        elif item_kind in _SCALAR_SIZES:
-            cursor.skip(count * _SCALAR_SIZES[GGUFValueType(item_kind)], f"the {count} items of {what}")
-        else:
-            raise GGUFFormatError(f"{what} is an array of type {item_kind}, which this reader does not take")
-    elif kind in _SCALAR_SIZES:
-        value = cursor.take(_SCALAR_SIZES[GGUFValueType(kind)], what)
-    else:
-        raise GGUFFormatError(f"{what} has unknown type {kind}")
-    return key, kind, value
+            # A vocabulary's odd token is kept, not refused (gguf's reader replaces it too).
+            return key, kind, [cursor.read_string(f"a string of {what}").decode("utf-8", errors="replace")
+                               for _ in range(count)]
+        if item_kind in _SCALAR_FORMATS:
+            fmt = _SCALAR_FORMATS[GGUFValueType(item_kind)]
+            raw = cursor.take(count * struct.calcsize(fmt), f"the {count} items of {what}")
+            return key, kind, np.frombuffer(raw, dtype=np.dtype(cursor.order + fmt)).tolist()
+        raise GGUFFormatError(f"{what} is an array of type {item_kind}, which this reader does not take")
+    if kind in _SCALAR_FORMATS:
+        return key, kind, cursor.unpack(_SCALAR_FORMATS[GGUFValueType(kind)], what)
+    raise GGUFFormatError(f"{what} has unknown type {kind}")
+
+
+def _decode(raw: bytes, what: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise GGUFFormatError(f"{what} is not UTF-8") from None
