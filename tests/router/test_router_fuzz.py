@@ -18,7 +18,7 @@ from server.api_fuzz import FUZZ_SERVER_FLAGS, fuzz_operation, load_schema, summ
 from server.deployments import ROUTER_SHAPES, Deployment, start_deployment
 
 # Per operation and generation mode.
-EXAMPLES = int(os.environ.get("PAGEDSERVE_ROUTER_FUZZ_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("PAGEDSERVE_ROUTER_FUZZ_EXAMPLES", "15"))  # `make fuzz` runs thousands
 MODEL = "SmolLM2-135M-Instruct"
 
 
