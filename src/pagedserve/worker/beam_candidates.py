@@ -2,9 +2,8 @@
 
 A beam row gives one logits row (its live beam's next-token distribution). Its
 log-softmax plus the beam's cumulative logprob scores every (beam, token) pair; each
-group keeps its best `num_candidates` over all its beams and the whole vocabulary (one
-torch.topk over the groups' flattened, padded scores, as transformers' beam search
-does). Only those few candidates leave the device; core/beam_search.py decides.
+group keeps its best `num_candidates` over all its beams and the whole vocabulary (as
+transformers' beam search does: a top-k per row, then one over each group's rows). Only those few candidates leave the device; core/beam_search.py decides.
 """
 from __future__ import annotations
 
@@ -60,14 +59,19 @@ def beam_candidates(logits: torch.Tensor, members: list[Request]) -> dict[str, B
         base[g, : len(rows)] = torch.tensor([group.scores[members[r].index] for r in rows])
     vocab = logits.shape[-1]
     device = logits.device
-    scores = torch.log_softmax(logits.float(), dim=-1)[index.to(device)] + base.to(device)[:, :, None]
-    k = min(max(members[rows[0]].beam.num_candidates for rows in rows_of.values()), width * vocab)
-    top, flat = scores.view(len(rows_of), -1).topk(k)
-    top, flat = top.tolist(), flat.tolist()
+    k = min(max(members[rows[0]].beam.num_candidates for rows in rows_of.values()), vocab)
+    # A group's best k (beam, token) pairs are among each of its beams' own best k tokens (a
+    # beam adds one score to all its tokens), so each row keeps its top k before the groups
+    # meet: [groups, beams, k] scores instead of [groups, beams, vocab].
+    row_top, row_tokens = torch.log_softmax(logits.float(), dim=-1).topk(k)
+    index = index.to(device)
+    scores = row_top[index] + base.to(device)[:, :, None]
+    top, flat = scores.view(len(rows_of), -1).topk(min(k, width * k))
+    tokens = row_tokens[index].view(len(rows_of), -1).gather(1, flat)
+    top, flat, tokens = top.tolist(), flat.tolist(), tokens.tolist()
     out = {}
     for g, (root, rows) in enumerate(rows_of.items()):
         # A group with fewer rows than the widest pads with -inf: those entries sort last and are cut.
         n = min(members[rows[0]].beam.num_candidates, len(rows) * vocab)
-        out[root] = BeamCandidates([members[rows[f // vocab]].index for f in flat[g][:n]],
-                                   [f % vocab for f in flat[g][:n]], top[g][:n])
+        out[root] = BeamCandidates([members[rows[f // k]].index for f in flat[g][:n]], tokens[g][:n], top[g][:n])
     return out
