@@ -106,7 +106,7 @@ def decode_tok_s(engine: LLMEngine, max_tokens: int) -> float:
     first, produced = None, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
-            produced += len(out.outputs[0].delta_token_ids)
+            produced += sum(len(s.token_ids) for s in out.samples)
             if first is None and produced:
                 first, produced = time.perf_counter(), 0
     return produced / (time.perf_counter() - first)
