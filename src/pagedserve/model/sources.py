@@ -13,7 +13,7 @@ from ..paths import cache_root
 from .registry import DEFAULT_MODEL_NAME, default_model_path
 from .tokenizer import Tokenizer, load_tokenizer
 
-CACHE_FORMAT = 2  # bump when the cached layout changes
+CACHE_FORMAT = 3  # bump when the cached layout changes (3: ModelConfig gained the MoE and Gemma/Phi-3 fields)
 
 
 @dataclass(frozen=True)
