@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.outputs import OutputAccumulator, RequestOutput
 
 KV_BYTES_PER_BLOCK = 30 * 2 * 3 * 64 * 4 * 16  # SmolLM2-135M, fp32, block 16
 
@@ -102,3 +103,14 @@ def busy_batch_tokens(llm, params) -> list[list[int]]:
     assert batch[:2] == alone
     assert_all_blocks_free(llm)
     return batch
+
+
+def run_engine_to_completion(engine) -> dict[str, RequestOutput]:
+    """Step `engine` until every request it holds has finished; each one's accumulated output."""
+    done, outputs = {}, OutputAccumulator()
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            out = outputs.add(delta)
+            if out.finished:
+                done[out.request_id] = out
+    return done

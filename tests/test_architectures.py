@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from model_utils import prefill_logits
+from pagedserve.model.gguf_rewrite import copy_metadata
 from pagedserve.model.loader import load_model
 
 transformers = pytest.importorskip("transformers")
@@ -71,11 +72,7 @@ def write_gguf_like_llama_cpp(ref, arch: str, path, tokenizer_gguf) -> None:
     c = ref.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     writer = gguf.GGUFWriter(path, arch)
-    for field in gguf.GGUFReader(tokenizer_gguf).fields.values():
-        if field.name.startswith("tokenizer."):
-            main = field.types[0]
-            writer.add_key_value(field.name, field.contents(), main,
-                                 field.types[-1] if main == gguf.GGUFValueType.ARRAY else None)
+    copy_metadata(gguf.GGUFReader(tokenizer_gguf), writer, keep=lambda key: key.startswith("tokenizer."))
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
     writer.add_block_count(c.num_hidden_layers)

@@ -9,10 +9,9 @@ import math
 import pytest
 import torch
 
-from engine_utils import assert_all_blocks_free, make_llm
+from engine_utils import assert_all_blocks_free, make_llm, run_engine_to_completion
 from pagedserve import SamplingParams
 from pagedserve.model.loader import load_model
-from pagedserve.outputs import OutputAccumulator
 from pagedserve.pooling_params import PoolingParams
 from pooling_reference import reference_embedding as reference
 from pooling_reference import save_tiny_llama
@@ -79,12 +78,7 @@ def test_same_bits_alone_and_inside_a_busy_generate_batch(tiny, pooling):
     engine = llm.engine
     gen = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) for p in ids * 2]
     pooled = [engine.add_pooling_request(p) for p in ids]
-    done, outputs = {}, OutputAccumulator()
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            out = outputs.add(delta)
-            if out.finished:
-                done[out.request_id] = out
+    done = run_engine_to_completion(engine)
     assert all(len(done[g].outputs[0].token_ids) == 12 for g in gen)
     assert [done[r].embedding for r in pooled] == alone
     hits_before = llm.stats()["prefix_cache_hits"]
@@ -128,12 +122,7 @@ def test_a_preempted_pooling_request_recomputes_to_the_same_bits(tiny):
     for p in ids[1:]:
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
     pooled = [engine.add_pooling_request(p) for p in ids * 2]
-    done, outputs = {}, OutputAccumulator()
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            out = outputs.add(delta)
-            if out.finished:
-                done[out.request_id] = out
+    done = run_engine_to_completion(engine)
     assert any(done[r].metrics.num_preemptions for r in pooled), "a pooling request was meant to be preempted"
     assert [done[r].embedding for r in pooled] == alone * 2
     assert not engine.runner.pooling._partial
