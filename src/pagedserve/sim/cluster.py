@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from ..core import Request, Scheduler
 from ..core.block_hash import extend_block_hashes
 from ..core.outputs import SchedulerOutput
+from ..router.policies import CacheAwareConfig, Candidate, Picker
 from ..workload.datasets import BenchRequest
 from ..workload.metrics import SLO, RequestRecord, summarize
 from .cost_model import CostModel
@@ -99,6 +100,10 @@ class ClusterSetup:
     max_model_len: int | None = None
     link: str = "rdma-100"
     seed: int = 0
+    # A replica router policy (router/policies.py), as the Ray app's router section sets it;
+    # None keeps the simulator's own least-loaded choice.
+    policy: str | None = None
+    cache: CacheAwareConfig = CacheAwareConfig()
 
     def __post_init__(self) -> None:
         if self.link not in KV_LINKS:
@@ -167,6 +172,7 @@ class _ClusterRun:
 
         self.requests, self.layout, self.link = requests, layout, setup.link
         self.replicas = [instance("both") for _ in range(layout.num_replicas)]
+        self.picker = Picker(setup.policy, setup.cache) if setup.policy else None
         self.prefill = [instance("prefill") for _ in range(layout.num_prefill)]
         self.decode = [instance("decode") for _ in range(layout.num_decode)]
         self.arrivals = arrival_times(requests, request_rate, setup.seed)
@@ -199,10 +205,19 @@ class _ClusterRun:
             target = _least_loaded(self.prefill)
             target.sched.add_request(Request(str(i), list(req.prompt_token_ids), 1, arrival_time=t, ignore_eos=True))
         else:
-            target = _least_loaded(self.replicas)
-            target.sched.add_request(Request(str(i), list(req.prompt_token_ids), req.output_len,
-                                             arrival_time=t, ignore_eos=True))
+            request = Request(str(i), list(req.prompt_token_ids), req.output_len, arrival_time=t, ignore_eos=True)
+            target = self._route(request)
+            target.sched.add_request(request)
         self._kick(target, t)
+
+    def _route(self, request: Request) -> _Instance:
+        """The replica the router's policy picks; cache_aware sees each replica's real prefix
+        cache, where the Ray app sees reported block hashes a stats period old."""
+        if self.picker is None:
+            return _least_loaded(self.replicas)
+        candidates = [Candidate(k, r.load, r.sched.kv_cache.find_prefix_hit(request).num_tokens
+                                if self.picker.needs_keys else 0) for k, r in enumerate(self.replicas)]
+        return self.replicas[self.picker.pick(candidates, len(request.prompt_token_ids)).index]
 
     def _step_done(self, key: int, t: float) -> None:
         inst, out = self.pending.pop(key)

@@ -175,3 +175,27 @@ def replica_memory_bytes(config: RayServeConfig, model: ModelConfig) -> int:
     if config.server.engine.kv_cache_memory is None:
         raise ValueError("engine.kv_cache_memory: give the replicas' KV pool size to size their memory")
     return model.num_params * 4 + config.server.engine.kv_cache_memory + REPLICA_RUNTIME_BYTES
+
+
+def predict(config: RayServeConfig, requests: list, model: str, hardware: str,
+            request_rate: float) -> list[dict[str, float]]:
+    """What `sim cluster` predicts for this app: its replicas (autoscaling's initial count)
+    as colocated instances, its router policy, its engine's batch limits. Lives here, not
+    in sim/, because sim/ sits below entrypoints/ and must not read this file's types.
+    Returns one row per replica: its prefix hit rate and the run's TTFT/ITL."""
+    from ...sim.cluster import ClusterSetup, Layout, simulate_cluster
+    from ...workload.metrics import SLO
+
+    if config.disaggregated is not None:
+        raise ValueError("predict models colocated replicas; drop the disaggregated section")
+    engine = config.server.engine
+    setup = ClusterSetup(model, hardware, max_num_seqs=engine.max_num_seqs,
+                         max_num_batched_tokens=engine.max_num_batched_tokens or 512,
+                         max_model_len=engine.max_model_len, policy=config.router.policy,
+                         cache=config.router.cache())
+    n = config.replicas.num_replicas
+    result = simulate_cluster(requests, Layout(f"{n}r", num_replicas=n), setup, request_rate)
+    s = result.summary(SLO(0.25, 0.01))
+    return [{"replica": k, "hit_rate": c.prefix_cache_hits / max(c.prefix_cache_queries, 1),
+             "mean_ttft_ms": s["mean_ttft_ms"], "mean_tpot_ms": s["mean_tpot_ms"]}
+            for k, c in enumerate(sched.kv_cache for sched in result.schedulers)]
