@@ -36,6 +36,7 @@ import yaml
 from ...config import EngineConfig
 from ...model.config import ModelConfig
 from ...router.policies import POLICIES, CacheAwareConfig
+from ...workload.datasets import BenchRequest
 from ..openai.args import ServerConfig
 
 _DEFAULT = CacheAwareConfig()
@@ -177,7 +178,7 @@ def replica_memory_bytes(config: RayServeConfig, model: ModelConfig) -> int:
     return model.num_params * 4 + config.server.engine.kv_cache_memory + REPLICA_RUNTIME_BYTES
 
 
-def predict(config: RayServeConfig, requests: list, model: str, hardware: str,
+def predict(config: RayServeConfig, requests: list[BenchRequest], model: str, hardware: str,
             request_rate: float) -> list[dict[str, float]]:
     """What `sim cluster` predicts for this app: its replicas (autoscaling's initial count)
     as colocated instances, its router policy, its engine's batch limits. Lives here, not
