@@ -7,22 +7,30 @@ from pagedserve.entrypoints.ray_serve.settings import RayServeConfig, predict
 from pagedserve.workload.datasets import shared_prefix_dataset
 
 
-def _config(policy: str) -> RayServeConfig:
-    return RayServeConfig.from_dict({"engine": {"kv_cache_memory": "64MiB"}, "replicas": {"num_replicas": 2},
+def _config(policy: str, kv_cache_memory: str) -> RayServeConfig:
+    return RayServeConfig.from_dict({"engine": {"kv_cache_memory": kv_cache_memory}, "replicas": {"num_replicas": 2},
                                      "router": {"policy": policy}})
 
 
-def _hit_rate(policy: str, num_groups: int) -> float:
+def _hit_rate(policy: str, num_groups: int, kv_cache_memory: str = "128MiB") -> float:
     # The shape of test_ray_serve's shared-prefix run: 24 prompts, prefix 160, suffix 16, output 4.
     requests = shared_prefix_dataset(24, num_groups, 160, 16, 4)
-    rows = predict(_config(policy), requests, "llama-3.1-8b", "h100-sxm5", request_rate=8.0)
+    rows = predict(_config(policy, kv_cache_memory), requests, "llama-3.1-8b", "h100-sxm5", request_rate=8.0)
     assert len(rows) == 2
     return sum(r["hit_rate"] for r in rows) / len(rows)
 
 
 def test_cache_aware_predicts_more_prefix_hits_than_round_robin():
     # 3 groups: round robin over 2 replicas scatters each group (with 4 it would pin them).
-    assert _hit_rate("cache_aware", 3) > _hit_rate("round_robin", 3)
+    assert _hit_rate("cache_aware", 3) == pytest.approx(0.795, abs=0.001)
+    assert _hit_rate("round_robin", 3) == pytest.approx(0.682, abs=0.001)
+
+
+def test_the_kv_pool_is_the_engine_sections():
+    # llama-3.1-8b's KV is 128 KiB a token: 64MiB is 32 blocks a replica. Round robin puts all
+    # three 10-block prefixes on each replica, where they evict one another; 128MiB holds them.
+    assert _hit_rate("round_robin", 3, "64MiB") == pytest.approx(0.545, abs=0.001)
+    assert _hit_rate("cache_aware", 3, "64MiB") == pytest.approx(0.795, abs=0.001)  # 2 prefixes fit
 
 
 def test_the_documented_run_matches_the_measured_hit_rate():

@@ -100,6 +100,11 @@ class ClusterSetup:
     max_model_len: int | None = None
     link: str = "rdma-100"
     seed: int = 0
+    # Each instance's KV pool, as `sim`'s flags (and an engine's options) size it.
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes per instance; None: the memory plan's share
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
     # A replica router policy (router/policies.py), as the Ray app's router section sets it;
     # None keeps the simulator's own least-loaded choice.
     policy: str | None = None
@@ -110,9 +115,9 @@ class ClusterSetup:
             raise ValueError(f"link must be one of {', '.join(KV_LINKS)}; got {self.link!r}")
 
     def scenario(self, tp: int) -> Scenario:
-        return build_scenario(self.model, self.hardware, self.dtype, self.kv_cache_dtype, tp,
-                              max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                              max_model_len=self.max_model_len)
+        return build_scenario(self.model, self.hardware, self.dtype, self.kv_cache_dtype, tp, self.block_size,
+                              self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
+                              self.gpu_memory_utilization, self.kv_cache_memory, self.enable_prefix_caching)
 
 
 @dataclass(eq=False)
@@ -139,6 +144,12 @@ class ClusterResult:
     num_recomputed: int  # decode-side admissions whose installed blocks were evicted first
     # Each instance's scheduler, replicas then prefill then decode (for their accounting).
     schedulers: list[Scheduler] = field(default_factory=list, repr=False)
+    # Colocated layouts: the replica each request was routed to, by request index.
+    routed: list[int] = field(default_factory=list, repr=False)
+
+    def replica_records(self, k: int) -> list[RequestRecord]:
+        """The requests replica `k` (colocated layouts) served."""
+        return [r for r, j in zip(self.records, self.routed) if j == k]
 
     def summary(self, slo: SLO) -> dict[str, float]:
         s = summarize(self.records, self.duration, slo, percentiles=(90,))
@@ -184,6 +195,7 @@ class _ClusterRun:
         self.pending: dict[int, tuple[_Instance, SchedulerOutput]] = {}
         self.transfer_bytes, self.transfer_seconds, self.num_recomputed = 0, 0.0, 0
         self.installed: dict[str, int] = {}  # decode request id -> prompt blocks installed for it
+        self.routed = [-1] * len(requests) if layout.num_replicas else []
 
     def run(self) -> ClusterResult:
         for i, t in enumerate(self.arrivals):
@@ -194,7 +206,8 @@ class _ClusterRun:
             t, _, kind, payload = heapq.heappop(self.events)
             handlers[kind](payload, t)
         return ClusterResult(self.layout, self.records, max(t, 1e-9), self.transfer_bytes, self.transfer_seconds,
-                             self.num_recomputed, [x.sched for x in self.replicas + self.prefill + self.decode])
+                             self.num_recomputed, [x.sched for x in self.replicas + self.prefill + self.decode],
+                             self.routed)
 
     def _push(self, t: float, kind: str, payload: object) -> None:
         heapq.heappush(self.events, (t, next(self.seq), kind, payload))
@@ -214,10 +227,13 @@ class _ClusterRun:
         """The replica the router's policy picks; cache_aware sees each replica's real prefix
         cache, where the Ray app sees reported block hashes a stats period old."""
         if self.picker is None:
-            return _least_loaded(self.replicas)
-        candidates = [Candidate(k, r.load, r.sched.kv_cache.find_prefix_hit(request).num_tokens
-                                if self.picker.needs_keys else 0) for k, r in enumerate(self.replicas)]
-        return self.replicas[self.picker.pick(candidates, len(request.prompt_token_ids)).index]
+            k = self.replicas.index(_least_loaded(self.replicas))
+        else:
+            candidates = [Candidate(k, r.load, r.sched.kv_cache.find_prefix_hit(request).num_tokens
+                                    if self.picker.needs_keys else 0) for k, r in enumerate(self.replicas)]
+            k = self.picker.pick(candidates, len(request.prompt_token_ids)).index
+        self.routed[int(request.request_id)] = k
+        return self.replicas[k]
 
     def _step_done(self, key: int, t: float) -> None:
         inst, out = self.pending.pop(key)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -38,6 +38,9 @@ from ...model.config import ModelConfig
 from ...router.policies import POLICIES, CacheAwareConfig
 from ...workload.datasets import BenchRequest
 from ..openai.args import ServerConfig
+
+if TYPE_CHECKING:
+    from ...sim.cluster import ClusterSetup
 
 _DEFAULT = CacheAwareConfig()
 
@@ -178,25 +181,55 @@ def replica_memory_bytes(config: RayServeConfig, model: ModelConfig) -> int:
     return model.num_params * 4 + config.server.engine.kv_cache_memory + REPLICA_RUNTIME_BYTES
 
 
-def predict(config: RayServeConfig, requests: list[BenchRequest], model: str, hardware: str,
-            request_rate: float) -> list[dict[str, float]]:
-    """What `sim cluster` predicts for this app: its replicas (autoscaling's initial count)
-    as colocated instances, its router policy, its engine's batch limits. Lives here, not
-    in sim/, because sim/ sits below entrypoints/ and must not read this file's types.
-    Returns one row per replica: its prefix hit rate and the run's TTFT/ITL."""
-    from ...sim.cluster import ClusterSetup, Layout, simulate_cluster
-    from ...workload.metrics import SLO
+# The engine's element types priced by the simulator's (sim/cost_model.py DTYPES) of the
+# same width; "auto" is the engine's own default: float32 on the CPU, bfloat16 on a GPU.
+_SIM_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16"}
+_SIM_KV_DTYPE = {"fp32": "fp32", "fp16": "bf16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
+
+
+def cluster_setup(config: RayServeConfig, model: str, hardware: str, seed: int = 0) -> "ClusterSetup":
+    """The cluster simulator's instance setup for this app's replicas on `hardware`: its
+    router policy, and each replica's engine options (engine section) as the scheduler's
+    limits and the KV pool (block_size, kv_cache_memory or gpu_memory_utilization, prefix
+    caching, dtypes). An automatic token budget (max_num_batched_tokens unset) is priced
+    as the chunked policy's 512."""
+    from ...sim.cluster import ClusterSetup
+    from ...sim.hardware import CPU_LOCAL
 
     if config.disaggregated is not None:
         raise ValueError("predict models colocated replicas; drop the disaggregated section")
     engine = config.server.engine
-    setup = ClusterSetup(model, hardware, max_num_seqs=engine.max_num_seqs,
-                         max_num_batched_tokens=engine.max_num_batched_tokens or 512,
-                         max_model_len=engine.max_model_len, policy=config.router.policy,
-                         cache=config.router.cache())
+    dtype = _SIM_DTYPE.get(engine.dtype, "fp32" if hardware == CPU_LOCAL else "bf16")
+    return ClusterSetup(model, hardware, dtype, _SIM_KV_DTYPE.get(engine.kv_cache_dtype),
+                        max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens or 512,
+                        max_model_len=engine.max_model_len, seed=seed, block_size=engine.block_size,
+                        kv_cache_memory=engine.kv_cache_memory,
+                        gpu_memory_utilization=engine.gpu_memory_utilization,
+                        enable_prefix_caching=engine.enable_prefix_caching is not False and engine.kv_layout == "paged",
+                        policy=config.router.policy, cache=config.router.cache())
+
+
+def predict(config: RayServeConfig, requests: list[BenchRequest], model: str, hardware: str,
+            request_rate: float, seed: int = 0) -> list[dict[str, float]]:
+    """What `sim cluster` predicts for this app (`pagedserve sim cluster --ray-config`): its
+    replicas (autoscaling's initial count) as colocated instances set up by `cluster_setup`,
+    `requests` arriving Poisson at `request_rate` (inf: all at once), drawn with `seed`.
+    Lives here, not in sim/, because sim/ sits below entrypoints/ and must not read this
+    file's types. Returns one row per replica: the requests routed to it, its prefix-cache
+    hit rate (hit tokens / looked-up tokens), and its requests' output throughput over the
+    run, TTFT and TPOT (NaN for a replica that got none)."""
+    from ...sim.cluster import Layout, simulate_cluster
+    from ...workload.metrics import summarize
+
     n = config.replicas.num_replicas
+    setup = cluster_setup(config, model, hardware, seed)
     result = simulate_cluster(requests, Layout(f"{n}r", num_replicas=n), setup, request_rate)
-    s = result.summary(SLO(0.25, 0.01))
-    return [{"replica": k, "hit_rate": c.prefix_cache_hits / max(c.prefix_cache_queries, 1),
-             "mean_ttft_ms": s["mean_ttft_ms"], "mean_tpot_ms": s["mean_tpot_ms"]}
-            for k, c in enumerate(sched.kv_cache for sched in result.schedulers)]
+    rows = []
+    for k, sched in enumerate(result.schedulers):
+        c = sched.kv_cache
+        s = summarize(result.replica_records(k), result.duration, percentiles=(90,))
+        rows.append({"replica": k, "requests": s["completed"],
+                     "hit_rate": c.prefix_cache_hits / max(c.prefix_cache_queries, 1),
+                     "output_throughput": s["output_throughput"], "mean_ttft_ms": s["mean_ttft_ms"],
+                     "p90_ttft_ms": s["p90_ttft_ms"], "mean_tpot_ms": s["mean_tpot_ms"]})
+    return rows
