@@ -162,7 +162,11 @@ class EngineConfig:
         """Each option on its own: parsed from its text form and checked against its choices or
         range. Which options go together is `resolve`'s."""
         if isinstance(self.kv_cache_memory, str):
-            self.kv_cache_memory = parse_memory(self.kv_cache_memory)
+            try:
+                self.kv_cache_memory = parse_memory(self.kv_cache_memory)
+            except ValueError:
+                raise ValueError(f"kv_cache_memory must be a size like 2GiB or 512MiB, got {self.kv_cache_memory!r}") \
+                    from None
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
         self.lora_modules = parse_lora_modules(self.lora_modules)

@@ -174,8 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_parser(sub)
 
     from ..sim.cli import add_doctor_parser, add_kv_parser, add_sim_parser  # pure Python, no torch
+    from .ray_serve.sim_cli import add_ray_config_arg  # the app's YAML for `sim cluster`; never ray
 
-    add_sim_parser(sub)
+    add_ray_config_arg(add_sim_parser(sub))
     add_kv_parser(sub)
     add_doctor_parser(sub)
 

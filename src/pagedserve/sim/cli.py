@@ -38,7 +38,8 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
 
 
-def add_sim_parser(sub) -> None:
+def add_sim_parser(sub) -> argparse.ArgumentParser:
+    """`sim` and its subcommands; returns `sim cluster`'s parser (entrypoints/ adds --ray-config to it)."""
     p = sub.add_parser("sim", help="simulate the scheduler on a hardware/model cost model")
     _add_setup_args(p)
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, from " + ", ".join(POLICIES))
@@ -69,7 +70,7 @@ def add_sim_parser(sub) -> None:
     twin.add_argument("--seed", type=int, default=0)
     twin.add_argument("--json", action="store_true")
     twin.set_defaults(func=cmd_twin)
-    add_cluster_parser(sim_sub)
+    return add_cluster_parser(sim_sub)
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
@@ -131,21 +132,29 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_cluster_parser(sim_sub) -> None:
+# `sim cluster`'s flags for the instances' engines and layouts, and their defaults. They
+# parse as None, so that `--ray-config` (whose YAML sets them) can tell one was given.
+CLUSTER_ENGINE_DEFAULTS = {"model": "llama-3.1-8b", "dtype": "bf16", "kv_cache_dtype": None,
+                           "layouts": "4r,2r:tp2,2p2d,1p3d,3p1d", "max_num_seqs": 256,
+                           "max_num_batched_tokens": 512, "max_model_len": None}
+
+
+def add_cluster_parser(sim_sub) -> argparse.ArgumentParser:
     from .cluster import KV_LINKS
 
+    d = CLUSTER_ENGINE_DEFAULTS
     p = sim_sub.add_parser("cluster", help="colocated replicas vs disaggregated prefill/decode vs TP, on one clock")
     p.add_argument("--hardware", choices=HARDWARE_NAMES, default="h100-sxm5")
-    p.add_argument("--model", default="llama-3.1-8b", help=f"{', '.join(MODELS)}, or a config.json / .gguf path")
-    p.add_argument("--dtype", choices=DTYPES, default="bf16", help="weight dtype")
-    p.add_argument("--kv-cache-dtype", choices=DTYPES, default=None, help="default: as --dtype")
-    p.add_argument("--layouts", default="4r,2r:tp2,2p2d,1p3d,3p1d",
-                   help="comma-separated: Nr (N colocated replicas), xPyD (x prefill, y decode instances), "
-                        "each with an optional :tpN")
+    p.add_argument("--model", help=f"{', '.join(MODELS)}, or a config.json / .gguf path (default {d['model']})")
+    p.add_argument("--dtype", choices=DTYPES, help=f"weight dtype (default {d['dtype']})")
+    p.add_argument("--kv-cache-dtype", choices=DTYPES, help="default: as --dtype")
+    p.add_argument("--layouts", help="comma-separated: Nr (N colocated replicas), xPyD (x prefill, y decode "
+                                     f"instances), each with an optional :tpN (default {d['layouts']})")
     p.add_argument("--link", choices=list(KV_LINKS), default="rdma-100", help="what KV transfers cross")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="each instance's chunked budget")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, help=f"default {d['max_num_seqs']}")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help=f"each instance's chunked budget (default {d['max_num_batched_tokens']})")
+    p.add_argument("--max-model-len", type=int, help="default: the model's, capped at the KV pool")
     p.add_argument("--request-rate", type=float, default=None,
                    help="simulate at this Poisson rate; default: search each layout's goodput")
     p.add_argument("--slo-ttft-ms", type=float, default=250.0)
@@ -157,12 +166,16 @@ def add_cluster_parser(sim_sub) -> None:
     p.add_argument("--json", action="store_true")
     add_dataset_args(p)
     p.set_defaults(func=cmd_cluster)
+    return p
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
     from ..workload.metrics import SLO
     from .cluster import ClusterSetup, Layout, max_goodput, simulate_cluster
 
+    for name, default in CLUSTER_ENGINE_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     layouts = [Layout.parse(x) for x in args.layouts.split(",") if x.strip()]
     if not layouts:
         raise ValueError("layouts must name at least one layout")

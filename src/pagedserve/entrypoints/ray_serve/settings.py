@@ -149,10 +149,21 @@ class RayServeConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "RayServeConfig":
-        raw = yaml.safe_load(Path(path).read_text())
+        """The file's config; ValueError naming the file for one that cannot be read, is not
+        YAML, or has a bad section or key."""
+        try:
+            with open(path) as f:
+                raw = yaml.safe_load(f)  # its errors name the file, line and column
+        except OSError as e:
+            raise ValueError(f"{path}: cannot read the config: {e.strerror or e}") from e
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML: {e}") from e
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: a YAML mapping with engine/server/replicas/router/http sections is expected")
-        return cls.from_dict(raw)
+        try:
+            return cls.from_dict(raw)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: {e}") from e
 
 
 def _section(raw: dict[str, Any], name: str, allowed: list[str]) -> dict[str, Any]:
