@@ -46,9 +46,11 @@ def test_the_wider_paths_follow_the_cpu(monkeypatch):
     assert native_isa() == "avx2"
     # Each wider path asks the CPU for every extension its instructions use.
     needs = {"paged_attention:avx512vl": {"avx512f", "avx512vl"}, "dequant_linear:avx512f": {"avx512f"},
-             "quant_linear:avx512_vnni": {"avx512f", "avx512bw", "avx512_vnni"}}
+             "quant_linear:avx512_vnni": {"avx512f", "avx512bw", "avx512_vnni"},
+             "moe_experts_int8:avx512_vnni": {"avx512f", "avx512bw", "avx512_vnni"}}
     paths = native_paths()
-    assert set(paths.all) == set(needs) | {"paged_attention:avx2", "dequant_linear:avx2", "quant_linear:avx2"}
+    assert set(paths.all) == set(needs) | {"paged_attention:avx2", "dequant_linear:avx2", "quant_linear:avx2",
+                                           "moe_experts_int8:avx2"}
     assert set(paths.available) == set(paths.all) - {p for p, n in needs.items() if not n <= flags}
 
 

@@ -298,7 +298,7 @@ class LlamaModel(nn.Module):
             if path == "embed":
                 self.embed = QuantEmbedding(blocks, qtype)
             elif isinstance(blocks, torch.Tensor) and blocks.dim() == 3:  # [experts, rows, row bytes]: experts
-                self.set_submodule(path, QuantExperts(blocks, qtype))
+                self.set_submodule(path, QuantExperts(blocks, qtype, arithmetic(qtype, quantization)))
             elif isinstance(qtype, tuple):  # parts (q, k, v), packed a run of one type at a time
                 layers, row = [], 0
                 for t, run in groupby(zip(blocks, qtype), key=lambda part: part[1]):
@@ -326,7 +326,7 @@ class LlamaModel(nn.Module):
                 if isinstance(module, Linear):
                     self.set_submodule(path, QuantLinear.from_float(module.weight, qtype, module.bias))
             for moe in self.moe_layers():
-                moe.quantize(QTYPES[quantization])
+                moe.quantize(QTYPES[quantization], arithmetic(QTYPES[quantization], quantization))
         if pack is None:
             pack = can_pack_weights()
         if pack:

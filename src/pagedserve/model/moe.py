@@ -9,7 +9,10 @@ folder) run in torch: the step's (token, expert) pairs are sorted by expert, and
 that has tokens multiplies its contiguous slice of the gathered rows, one matmul per matrix
 (a Python loop over the experts present, at most num_experts a step, never over tokens).
 Experts on a GGUF file's blocks run in one native op per layer (kernels/csrc/moe_experts.cpp)
-that reads only the selected experts' tiles, in the fp32 arithmetic of dequant_linear. Either
+that reads only the selected experts' tiles, in the arithmetic the model's dense layers on
+blocks take (quant.arithmetic): fp32, dequant_linear's (`moe_experts`, --quantization none),
+or int8 activations, quant_linear's (`moe_experts_int8`, --quantization gguf and the q*_0 /
+q4_1 modes), a token's products then the bits quant_linear gives on its row alone. Either
 way a token's k results are added in ascending expert id, as transformers adds them.
 """
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .moe_config import MoEConfig
-from .quant import NATIVE_TYPES, pack, quantize_blocks, type_name
+from .quant import ACTIVATIONS, NATIVE_TYPES, pack, quantize_blocks, type_name
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,14 +75,18 @@ class ExpertStack(nn.Module):
 
 class QuantExperts(nn.Module):
     """Every expert's matrix of one kind on GGUF blocks: uint8 [E, out, row bytes] packed
-    once per expert into the native ops' tiles, stacked: packed [E, tile groups, super-blocks, bytes]."""
+    once per expert into the native ops' tiles, stacked: packed [E, tile groups, super-blocks, bytes].
+    `activations` (quant.ACTIVATIONS): int8 (quant_linear's arithmetic) or fp32 (dequant_linear's)."""
 
-    def __init__(self, blocks: torch.Tensor, qtype: int):
+    def __init__(self, blocks: torch.Tensor, qtype: int, activations: str = "int8"):
         super().__init__()
         if qtype not in NATIVE_TYPES:
             raise ValueError(f"experts on {type_name(qtype)} blocks have no native kernel")
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
         first, self.out_features, self.in_features = pack(blocks[0].contiguous(), qtype)
         self.qtype = qtype
+        self.activations = activations
         # Plain attribute (as QuantLinear's): the state dict keeps the checkpoint's names.
         self.packed = torch.empty((blocks.shape[0], *first.shape), dtype=torch.uint8)
         self.packed[0] = first
@@ -87,13 +94,13 @@ class QuantExperts(nn.Module):
             self.packed[e] = pack(blocks[e].contiguous(), qtype)[0]
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, qtype: int) -> "QuantExperts":
+    def from_float(cls, weight: torch.Tensor, qtype: int, activations: str = "int8") -> "QuantExperts":
         e, n, k = weight.shape
-        return cls(quantize_blocks(weight.reshape(e * n, k), qtype).reshape(e, n, -1), qtype)
+        return cls(quantize_blocks(weight.reshape(e * n, k), qtype).reshape(e, n, -1), qtype, activations)
 
     def extra_repr(self) -> str:
         return f"experts={self.packed.shape[0]}, in_features={self.in_features}, out_features={self.out_features}, " \
-               f"{type_name(self.qtype)}"
+               f"{type_name(self.qtype)}, {self.activations} activations"
 
 
 class MoE(nn.Module):
@@ -112,12 +119,20 @@ class MoE(nn.Module):
     def on_blocks(self) -> bool:
         return all(isinstance(m, QuantExperts) for m in (self.gate, self.up, self.down))
 
+    def blocks_arithmetic(self) -> str:
+        """The activations the experts' op on blocks runs with: int8 only where gate, up and
+        down all ask for it (one op multiplies all three), else fp32."""
+        return "int8" if all(getattr(m, "activations", None) == "int8" for m in (self.gate, self.up, self.down)) \
+            else "fp32"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.router(x), self.config.top_k, self.config.normalize_top_k)
         if self.on_blocks():
             g, u, d = self.gate, self.up, self.down
-            return torch.ops.pagedserve.moe_experts(x, experts, weights, g.packed, g.qtype, u.packed, u.qtype,
-                                                    d.packed, d.qtype, self.config.expert_size)
+            op = torch.ops.pagedserve.moe_experts_int8 if self.blocks_arithmetic() == "int8" \
+                else torch.ops.pagedserve.moe_experts
+            return op(x, experts, weights, g.packed, g.qtype, u.packed, u.qtype, d.packed, d.qtype,
+                      self.config.expert_size)
         return self._grouped(x, group_by_expert(weights, experts, self.config.num_experts))
 
     def _grouped(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
@@ -141,17 +156,19 @@ class MoE(nn.Module):
             if isinstance(stack, ExpertStack):
                 stack.pack(make_layer)
 
-    def quantize(self, qtype: int) -> None:
-        """The fp32 experts as `qtype` blocks (--quantization q8_0 / q4_0 / q4_1)."""
+    def quantize(self, qtype: int, activations: str = "int8") -> None:
+        """The fp32 experts as `qtype` blocks (--quantization q8_0 / q4_0 / q4_1), run with
+        `activations` as the dense layers quantised beside them."""
         for name in ("gate", "up", "down"):
             stack = getattr(self, name)
             if isinstance(stack, ExpertStack):
-                setattr(self, name, QuantExperts.from_float(stack.weight, qtype))
+                setattr(self, name, QuantExperts.from_float(stack.weight, qtype, activations))
 
     def weight_paths(self) -> list[str]:
         """What each expert matrix runs on, for the start-up log."""
         def path(m: ExpertStack | QuantExperts) -> str:
             if isinstance(m, QuantExperts):
-                return f"expert stack on {type_name(m.qtype)} blocks (fp32 arithmetic)"
+                arithmetic = self.blocks_arithmetic() if self.on_blocks() else m.activations
+                return f"expert stack on {type_name(m.qtype)} blocks ({arithmetic} arithmetic)"
             return "expert stack fp32 (oneDNN packed)" if m.weight is None else f"expert stack {m.weight.dtype} (torch)"
         return [path(m) for m in (self.gate, self.up, self.down)]

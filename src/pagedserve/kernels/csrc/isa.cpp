@@ -33,6 +33,8 @@ const PathName kPaths[] = {
     {IsaPath::kDequantLinearAvx512, "dequant_linear:avx512f", cpu_has_avx512},
     {IsaPath::kQuantLinearAvx2, "quant_linear:avx2", always},
     {IsaPath::kQuantLinearAvx512Vnni, "quant_linear:avx512_vnni", cpu_has_avx512_vnni},
+    {IsaPath::kMoeExpertsInt8Avx2, "moe_experts_int8:avx2", always},
+    {IsaPath::kMoeExpertsInt8Avx512Vnni, "moe_experts_int8:avx512_vnni", cpu_has_avx512_vnni},
 };
 
 // Every path this process has run, or every path this CPU can run (`available`).

@@ -48,6 +48,8 @@ enum class IsaPath : unsigned {
   kDequantLinearAvx512 = 1u << 3,
   kQuantLinearAvx2 = 1u << 4,
   kQuantLinearAvx512Vnni = 1u << 5,
+  kMoeExpertsInt8Avx2 = 1u << 6,  // moe_experts_int8: quant_linear's tiles on each expert's rows
+  kMoeExpertsInt8Avx512Vnni = 1u << 7,
 };
 
 inline std::atomic<unsigned>& isa_paths_taken() {

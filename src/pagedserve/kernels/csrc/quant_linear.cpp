@@ -439,58 +439,71 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t q
   auto [in, out, bias_padded, k, nb, ng, m] = check_tiled_linear("quant_linear", x, packed, qtype, out_features, bias);
   if (m == 0) return out;
 
-  at::Tensor qa = at::empty({m, k}, x.options().dtype(at::kChar));
-  at::Tensor scales = at::empty({2, m, nb}, x.options());
-  at::Tensor half_sums = at::empty({m, 2 * nb}, x.options().dtype(at::kInt));
-  const float* src = in.data_ptr<float>();
-  int8_t* qa_ptr = qa.data_ptr<int8_t>();
-  float* da = scales.data_ptr<float>();
-  float* sa = da + m * nb;
-  int32_t* hs = half_sums.data_ptr<int32_t>();
-  at::parallel_for(0, m, 32, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      quantize_row(src + r * k, nb, qa_ptr + r * k, da + r * nb, sa + r * nb, hs + r * 2 * nb);
-  });
-
+  const bool vnni = use_avx512_vnni();
+  const Int8Activations act = quantize_activations(in.data_ptr<float>(), m, k, vnni && qtype == kQ8_0, x.options());
   const uint8_t* tiles = packed.data_ptr<uint8_t>();
   const int64_t stride = packed.size(1) * packed.size(2);  // bytes from one tile group to the next
   const float* bias_ptr = bias.has_value() ? bias_padded.data_ptr<float>() : nullptr;
   float* dst = out.data_ptr<float>();
-  const bool q8 = qtype == kQ8_0, vnni = use_avx512_vnni();
   mark_isa_path(vnni ? IsaPath::kQuantLinearAvx512Vnni : IsaPath::kQuantLinearAvx2);
-  at::Tensor qa_u8;
-  if (vnni && q8) {
-    qa_u8 = at::empty_like(qa);
-    offset_bytes(qa_ptr, m * k, qa_u8.data_ptr<int8_t>());
-  }
   // Columns are split across threads (even the 1-row case has >= 72 tile groups on this
   // model), four tiles at a time for VNNI; each task keeps its tiles' weights in cache
   // while it walks the rows.
-  const int64_t unit = vnni ? 4 : 1, units = (ng + unit - 1) / unit;
+  const int64_t unit = quant_task_groups(vnni), units = (ng + unit - 1) / unit;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(1, m * k * kTileCols * unit));
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t g0 = u * unit, g1 = std::min(ng, g0 + unit);
-      const bool quad = vnni && g1 - g0 == 4 && out_features >= g1 * kTileCols;
-      const int8_t* a = quad && q8 ? qa_u8.data_ptr<int8_t>() : qa_ptr;
-      switch (qtype) {
-#define PAGEDSERVE_RUN(T) run_groups<T>(g0, g1, quad, m, tiles, stride, nb, a, k, da, sa, hs, dst, out_features, bias_ptr)
-        case kQ8_0: PAGEDSERVE_RUN(kQ8_0); break;
-        case kQ4_0:  // Q4_0's tiles are Q4_1's (m = -8d), Q5_0's Q5_1's (m = -16d)
-        case kQ4_1: PAGEDSERVE_RUN(kQ4_1); break;
-        case kQ5_0:
-        case kQ5_1: PAGEDSERVE_RUN(kQ5_1); break;
-        case kQ4_K: PAGEDSERVE_RUN(kQ4_K); break;
-        case kQ5_K: PAGEDSERVE_RUN(kQ5_K); break;
-        case kQ6_K: PAGEDSERVE_RUN(kQ6_K); break;
-#undef PAGEDSERVE_RUN
-      }
-    }
+    for (int64_t u = u0; u < u1; ++u)
+      quant_tiles(qtype, u * unit, std::min(ng, (u + 1) * unit), m, tiles, stride, act.rows, dst, out_features,
+                  bias_ptr, vnni);
   });
   return out;
 }
 
 }  // namespace
+
+Int8Activations quantize_activations(const float* x, int64_t m, int64_t k, bool with_offset,
+                                     const at::TensorOptions& options) {
+  const int64_t nb = k / kBlock;
+  Int8Activations a;
+  a.q = at::empty({m, k}, options.dtype(at::kChar));
+  a.scales = at::empty({2, m, nb}, options.dtype(at::kFloat));
+  a.half_sums = at::empty({m, 2 * nb}, options.dtype(at::kInt));
+  int8_t* q = a.q.data_ptr<int8_t>();
+  float* da = a.scales.data_ptr<float>();
+  float* sa = da + m * nb;
+  int32_t* hs = a.half_sums.data_ptr<int32_t>();
+  at::parallel_for(0, m, 32, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * k, nb, q + r * k, da + r * nb, sa + r * nb, hs + r * 2 * nb);
+  });
+  if (with_offset) {
+    a.q_offset = at::empty_like(a.q);
+    offset_bytes(q, m * k, a.q_offset.data_ptr<int8_t>());
+  }
+  a.rows = {q, with_offset ? a.q_offset.data_ptr<int8_t>() : nullptr, da, sa, hs, k, nb};
+  return a;
+}
+
+void quant_tiles(int64_t qtype, int64_t g0, int64_t g1, int64_t m, const uint8_t* tiles, int64_t stride,
+                 const Int8Rows& a, float* out, int64_t out_features, const float* bias, bool vnni) {
+  const bool quad = vnni && g1 - g0 == 4 && out_features >= g1 * kTileCols;
+  const bool q8 = qtype == kQ8_0;
+  TORCH_CHECK(!(quad && q8) || a.q_offset != nullptr, "quant_tiles: Q8_0 on VNNI needs the offset activations");
+  const int8_t* q = quad && q8 ? a.q_offset : a.q;
+  switch (qtype) {
+#define PAGEDSERVE_RUN(T) \
+  run_groups<T>(g0, g1, quad, m, tiles, stride, a.nb, q, a.k, a.scale, a.scaled_sum, a.half_sums, out, out_features, bias)
+    case kQ8_0: PAGEDSERVE_RUN(kQ8_0); break;
+    case kQ4_0:  // Q4_0's tiles are Q4_1's (m = -8d), Q5_0's Q5_1's (m = -16d)
+    case kQ4_1: PAGEDSERVE_RUN(kQ4_1); break;
+    case kQ5_0:
+    case kQ5_1: PAGEDSERVE_RUN(kQ5_1); break;
+    case kQ4_K: PAGEDSERVE_RUN(kQ4_K); break;
+    case kQ5_K: PAGEDSERVE_RUN(kQ5_K); break;
+    case kQ6_K: PAGEDSERVE_RUN(kQ6_K); break;
+#undef PAGEDSERVE_RUN
+    default: TORCH_CHECK(false, "quant_tiles: qtype ", qtype, " has no int8 form");
+  }
+}
 
 TiledLinear check_tiled_linear(const char* op, const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
                                int64_t out_features, const std::optional<at::Tensor>& bias) {

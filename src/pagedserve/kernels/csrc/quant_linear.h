@@ -96,4 +96,38 @@ TiledLinear check_tiled_linear(const char* op, const at::Tensor& x, const at::Te
 void dequant_tiles(int64_t qtype, int64_t t0, int64_t nt, int64_t m, const uint8_t* tiles, int64_t stride, int64_t nb,
                    const float* x, int64_t k, float* out, int64_t out_features, const float* bias, bool avx512);
 
+// Rows of activations as quant_linear quantises them (quant_linear.cpp's quantize_row): per
+// row, per block of 32, int8 codes with one fp32 scale, the scaled code sum (the Q4 min
+// term) and the integer sums of each 16 codes (Q6_K's offset). Row r's are at from(r).
+struct Int8Rows {
+  const int8_t* q;           // [m, k]
+  const int8_t* q_offset;    // [m, k] the codes + 128 (VNNI's unsigned side for Q8_0 tiles), or nullptr
+  const float* scale;        // [m, nb]
+  const float* scaled_sum;   // [m, nb]
+  const int32_t* half_sums;  // [m, 2 nb]
+  int64_t k, nb;
+  Int8Rows from(int64_t row) const {
+    return {q + row * k, q_offset ? q_offset + row * k : nullptr, scale + row * nb, scaled_sum + row * nb,
+            half_sums + row * 2 * nb, k, nb};
+  }
+};
+struct Int8Activations {
+  at::Tensor q, q_offset, scales, half_sums;  // the buffers `rows` points into
+  Int8Rows rows;
+};
+// x [m, k] (k a multiple of 32) quantised, rows in parallel; `with_offset`: also q_offset,
+// which quant_tiles reads for Q8_0 tiles on the VNNI path.
+Int8Activations quantize_activations(const float* x, int64_t m, int64_t k, bool with_offset,
+                                     const at::TensorOptions& options);
+
+// Tile groups per task of quant_linear's parallel loop: VNNI runs four whole tiles at once.
+constexpr int64_t quant_task_groups(bool vnni) { return vnni ? 4 : 1; }
+
+// Tile groups g0 .. g1 - 1 (one task: g0 a multiple of quant_task_groups) of a packed matrix
+// (`stride` bytes a group) for the m rows of `a`, into out [m, out_features]: one task of
+// quant_linear, also run by the MoE experts' int8 op on each expert's tiles. A row's bits
+// depend on neither m, the task split nor `vnni` (the path), only on the row and the matrix.
+void quant_tiles(int64_t qtype, int64_t g0, int64_t g1, int64_t m, const uint8_t* tiles, int64_t stride,
+                 const Int8Rows& a, float* out, int64_t out_features, const float* bias, bool vnni);
+
 }  // namespace pagedserve::quant
