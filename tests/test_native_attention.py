@@ -179,8 +179,9 @@ def test_every_instruction_set_path_gives_the_same_bits(dtype, num_heads, num_kv
     # The AVX-512 path takes three query rows of a KV head through each K/V vector, the
     # AVX2 path one; a narrow cache is widened in registers (GQA <= 3 decodes) or through
     # the per-block buffer (longer queries, GQA 4 and 8). Decodes, short causal queries
-    # whose rows see different keys, and a split sequence, on 1 and 2 threads.
-    seqs = [(1, n) for n in (1, 7, 16, 17, 300)] + [(2, 9), (4, 17), (5, 40), (1, 1000)]
+    # whose rows see different keys, a split sequence, and prefill chunks whose keys the
+    # AVX-512 path transposes (8+ rows per KV head), on 1 and 2 threads.
+    seqs = [(1, n) for n in (1, 7, 16, 17, 300)] + [(2, 9), (4, 17), (5, 40), (1, 1000), (40, 300), (19, 19)]
     q, k, v, cache, meta = random_step(seqs, num_heads, num_kv_heads, head_dim, 16, seed=5)
     write_kv(k, v, cache, meta.slot_mapping)
     cache = to_cache_dtype(cache, dtype)

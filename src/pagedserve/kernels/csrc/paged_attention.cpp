@@ -23,8 +23,12 @@
 // Zen 5) the untiled op took 2.0x the time of torch's flash attention; tiled, 0.76x, and
 // 0.33-0.84x on the prefill chunks of benchmarks/kernels.py --section attention.
 // Where the CPU has AVX-512VL, a KV head's query rows go three at a time through each
-// K and V vector (its 32 ymm registers hold three rows' accumulators), the same per-lane
-// arithmetic as one at a time, so both paths give the same bits.
+// K and V vector (its 32 registers hold three rows' accumulators), the same per-lane
+// arithmetic as one at a time, so both paths give the same bits. There the values, the
+// softmax's exponentials and (from kTransposeRows rows per KV head: prefill chunks) the
+// scores run 16 lanes wide, the scores from keys transposed once per block with the AVX2
+// path's summation tree written out: one 2,048-token prompt's attention (SmolLM2's heads,
+// 2 threads, AMD EPYC Zen 5) took 0.71-0.75x the time of the 8-lane form, the same bits.
 // A cache of fp16 or fp8 elements (`--kv-cache-dtype`) is read in its own width: widened
 // in registers as it is read when a KV head has at most kWidenRows query rows (a decode
 // at GQA <= 3), otherwise converted to fp32 once per block and head, into a buffer that
@@ -69,6 +73,10 @@ constexpr int64_t kTileRows = 256;
 // three widenings of each vector) 64 fp16 decodes x 320 keys took 0.96-1.00 ms a layer
 // against 1.02-1.18 through the buffer, alternated three times.
 constexpr int64_t kWidenRows = 3;
+// From this many query rows per KV head on the AVX-512 path, a block's keys are transposed
+// once ([head_dim][16 keys]) so that each row's scores for 16 keys are 16-lane FMAs with no
+// horizontal sums; fewer rows would not repay the transpose (a decode at GQA 3 has 3).
+constexpr int64_t kTransposeRows = 8;
 
 
 inline float hmax(__m256 v) {
@@ -203,6 +211,119 @@ template <int NV, int R, typename S>
   }
 }
 
+// Keeps v in a register: else the compiler folds its load into each row's FMA, and the
+// loads (one per row) bound the loop instead of the FMAs.
+__attribute__((target("avx512f"))) [[gnu::always_inline]] inline void in_register(__m512& v) { asm("" : "+v"(v)); }
+
+// The functions below are not inlined: they run only where the CPU has AVX-512, and
+// the lambdas of attend_rows that call them may be compiled for AVX2.
+// A block's first `count` rows of one head (a multiple of 16, fp32, stride token_stride)
+// as [keys / 16][d][16]: each dimension of 16 keys in one zmm. 8 x 8 tiles through registers.
+__attribute__((target("avx512f,avx512vl"))) void transpose_keys(const float* keys, int64_t token_stride,
+                                                                       int64_t count, int64_t d, float* kt) {
+  for (int64_t t = 0; t < count; t += 8)
+    for (int64_t i = 0; i < d; i += 8) {
+      __m256 r[8], u[8], w[8];
+      for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(keys + (t + j) * token_stride + i);
+      for (int j = 0; j < 8; j += 2) {
+        u[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
+        u[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+      }
+      for (int j = 0; j < 8; j += 4) {
+        w[j] = _mm256_shuffle_ps(u[j], u[j + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        w[j + 1] = _mm256_shuffle_ps(u[j], u[j + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        w[j + 2] = _mm256_shuffle_ps(u[j + 1], u[j + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        w[j + 3] = _mm256_shuffle_ps(u[j + 1], u[j + 3], _MM_SHUFFLE(3, 2, 3, 2));
+      }
+      float* dst = kt + (t / 16) * d * 16 + i * 16 + t % 16;
+      for (int j = 0; j < 4; ++j) {
+        _mm256_storeu_ps(dst + j * 16, _mm256_permute2f128_ps(w[j], w[j + 4], 0x20));
+        _mm256_storeu_ps(dst + (j + 4) * 16, _mm256_permute2f128_ps(w[j], w[j + 4], 0x31));
+      }
+    }
+}
+
+// group_scores' numbers from transposed keys (transpose_keys), 16 keys per chunk up to
+// `longest`: lane l of group_scores' accumulator is P_l here, the same FMA chain over the
+// head's vectors, and transpose_sum's tree ((P0+P1)+(P2+P3)) + ((P4+P5)+(P6+P7)) is
+// written out, so every score has the same bits as on the AVX2 path.
+template <int R>
+__attribute__((target("avx512f,avx512vl"))) void transposed_scores(
+    const float* q, int64_t d, const float* kt, int64_t longest, float* const* scores) {
+  for (int64_t t = 0; t < longest; t += 16) {
+    const float* chunk = kt + (t / 16) * d * 16;
+    __m512 part[R][8];
+    for (int r = 0; r < R; ++r)
+      for (int l = 0; l < 8; ++l) part[r][l] = _mm512_setzero_ps();
+    for (int64_t v = 0; v < d; v += 8)
+      for (int l = 0; l < 8; ++l) {
+        __m512 k = _mm512_loadu_ps(chunk + (v + l) * 16);
+        in_register(k);
+        for (int r = 0; r < R; ++r) part[r][l] = _mm512_fmadd_ps(k, _mm512_set1_ps(q[r * d + v + l]), part[r][l]);
+      }
+    for (int r = 0; r < R; ++r) {
+      const __m512 lo = _mm512_add_ps(_mm512_add_ps(part[r][0], part[r][1]), _mm512_add_ps(part[r][2], part[r][3]));
+      const __m512 hi = _mm512_add_ps(_mm512_add_ps(part[r][4], part[r][5]), _mm512_add_ps(part[r][6], part[r][7]));
+      _mm512_storeu_ps(scores[r] + t, _mm512_add_ps(lo, hi));
+    }
+  }
+}
+
+// group_values with 16 lanes where head_dim allows: each output lane is the same chain of
+// FMAs over the block's tokens as in the 8-lane form, so the bits are the same.
+template <int NV, int R, typename S>
+__attribute__((target("avx512f,avx512vl"))) void wide_values(
+    float* const* acc, const float* const* p, const S* values, int64_t token_stride, int64_t count, int64_t d) {
+  if constexpr (NV == 0 || NV % 2 != 0) {
+    group_values<NV, R>(acc, p, values, token_stride, count, d);
+  } else {
+    constexpr int kChunk = std::min(NV / 2, 4);
+    for (int64_t c = 0; c < d; c += 16 * kChunk) {
+      __m512 a[R][kChunk];
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < kChunk; ++v) a[r][v] = _mm512_loadu_ps(acc[r] + c + 16 * v);
+      for (int64_t t = 0; t < count; ++t) {
+        __m512 pt[R];
+        for (int r = 0; r < R; ++r) pt[r] = _mm512_set1_ps(p[r][t]);
+        const S* row = values + t * token_stride + c;
+        for (int v = 0; v < kChunk; ++v) {
+          __m512 x;
+          if constexpr (std::is_same_v<S, float>) {
+            x = _mm512_loadu_ps(row + 16 * v);
+          } else {
+            const __m256d lo = _mm256_castps_pd(load_fp32<S>(row + 16 * v)), hi = _mm256_castps_pd(load_fp32<S>(row + 16 * v + 8));
+            x = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(lo), hi, 1));
+          }
+          in_register(x);
+          for (int r = 0; r < R; ++r) a[r][v] = _mm512_fmadd_ps(pt[r], x, a[r][v]);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < kChunk; ++v) _mm512_storeu_ps(acc[r] + c + 16 * v, a[r][v]);
+    }
+  }
+}
+
+// A row's softmax numerators exp(s - m) in place over n scores (a multiple of 8), 16 lanes
+// at a time, and their sum in 8 lanes added in the AVX2 loop's order (t, t + 8, ...): the
+// same bits as that loop.
+__attribute__((target("avx512f,avx512vl"))) __m256 exp_in_place_wide(float* s, int64_t n, float m) {
+  __m256 vsum = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(m)));
+    _mm512_storeu_ps(s + t, e);
+    vsum = _mm256_add_ps(vsum, _mm512_castps512_ps256(e));
+    vsum = _mm256_add_ps(vsum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+  }
+  if (t < n) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(m)));
+    _mm256_storeu_ps(s + t, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  return vsum;
+}
+
 // Blocks sit at random places in the pool, so the hardware prefetcher cannot see the
 // next one coming: fetch KV head kv's first `count` token rows of a block ahead of use.
 // One head at a time, just before that head's work, spreads the fetches between the
@@ -277,7 +398,7 @@ inline int64_t window_start(const Problem& p, int64_t pos) {
 // A narrow cache is widened as it is read when a KV head has at most kWidenRows rows;
 // otherwise each block's rows of a head are widened once into kvbuf for every group.
 // scores holds rows x (partition_keys + 8) floats.
-template <int NV, typename T, int RB>
+template <int NV, typename T, int RB, bool Wide>
 [[gnu::always_inline]] inline void attend_rows(const Problem& p, const Tile& tile, int64_t key_begin,
                                                int64_t key_end, float* acc, float* row_max, float* row_sum, float* qbuf, float* kvbuf,
                                                float* scores) {
@@ -325,6 +446,20 @@ template <int NV, typename T, int RB>
       prefetch_head<_MM_HINT_T1>(p, p.v_cache, block, kv, n);  // for the second pass
       // Whole block: the 8-key tiles read up to the block's end.
       with_head_rows(p.k_cache, block, kv, bs, [&](const auto* keys, int64_t stride) {
+        if constexpr (Wide && std::is_same_v<std::remove_cv_t<std::remove_pointer_t<decltype(keys)>>, float>) {
+          if (per_kv >= kTransposeRows && bs % 16 == 0) {
+            const int64_t longest = (visible((kv + 1) * per_kv - 1, b0, n) + 15) & ~int64_t{15};
+            float* kt = kvbuf + bs * d;
+            transpose_keys(keys, stride, longest, d, kt);
+            for_groups(kv, [&](auto R, int64_t r0) {
+              float* s[R];
+              for (int r = 0; r < R; ++r) s[r] = scores + (r0 + r) * sstride + (b0 - key_begin);
+              transposed_scores<R>(qbuf + r0 * d, d, kt, longest, s);
+              for (int r = 0; r < R; ++r) std::fill(s[r] + visible(r0 + r, b0, n), s[r] + n, kNegInf);
+            });
+            return;
+          }
+        }
         for_groups(kv, [&](auto R, int64_t r0) {
           int64_t count[R];
           float* s[R];
@@ -353,12 +488,16 @@ template <int NV, typename T, int RB>
       std::fill(s, s + padded, 0.0f);
       continue;
     }
-    const __m256 vm = _mm256_set1_ps(m);
     __m256 vsum = _mm256_setzero_ps();
-    for (int64_t t = 0; t < padded; t += 8) {
-      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
-      _mm256_storeu_ps(s + t, e);
-      vsum = _mm256_add_ps(vsum, e);
+    if constexpr (Wide) {
+      vsum = exp_in_place_wide(s, padded, m);
+    } else {
+      const __m256 vm = _mm256_set1_ps(m);
+      for (int64_t t = 0; t < padded; t += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+        _mm256_storeu_ps(s + t, e);
+        vsum = _mm256_add_ps(vsum, e);
+      }
     }
     row_sum[r] = hsum(vsum);
     row_max[r] = m;
@@ -378,7 +517,11 @@ template <int NV, typename T, int RB>
             a[r] = acc + (r0 + r) * d;
             w[r] = scores + (r0 + r) * sstride + (b0 - key_begin);
           }
-          group_values<NV, R>(a, w, values, stride, count, d);
+          if constexpr (Wide) {
+            wide_values<NV, R>(a, w, values, stride, count, d);
+          } else {
+            group_values<NV, R>(a, w, values, stride, count, d);
+          }
         });
       });
     }
@@ -388,7 +531,7 @@ template <int NV, typename T, int RB>
 template <int NV, typename T>
 void attend(const Problem& p, const Tile& tile, int64_t key_begin, int64_t key_end, float* acc, float* row_max,
             float* row_sum, float* qbuf, float* kvbuf, float* scores) {
-  attend_rows<NV, T, 1>(p, tile, key_begin, key_end, acc, row_max, row_sum, qbuf, kvbuf, scores);
+  attend_rows<NV, T, 1, false>(p, tile, key_begin, key_end, acc, row_max, row_sum, qbuf, kvbuf, scores);
 }
 
 // The same arithmetic with three rows per group: AVX-512VL gives the 32 ymm registers
@@ -397,7 +540,7 @@ template <int NV, typename T>
 __attribute__((target("avx512f,avx512vl"))) void attend512(const Problem& p, const Tile& tile, int64_t key_begin,
                                                            int64_t key_end, float* acc, float* row_max, float* row_sum,
                                                            float* qbuf, float* kvbuf, float* scores) {
-  attend_rows<NV, T, 3>(p, tile, key_begin, key_end, acc, row_max, row_sum, qbuf, kvbuf, scores);
+  attend_rows<NV, T, 3, true>(p, tile, key_begin, key_end, acc, row_max, row_sum, qbuf, kvbuf, scores);
 }
 
 using AttendFn = void (*)(const Problem&, const Tile&, int64_t, int64_t, float*, float*, float*, float*, float*,
@@ -539,13 +682,13 @@ void paged_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   auto work = [&](int64_t, int64_t) {
-    std::vector<float> scratch(max_rows * (2 * d + 2) + bs * d + max_rows * (part_keys + 8));
+    std::vector<float> scratch(max_rows * (2 * d + 2) + 2 * bs * d + max_rows * (part_keys + 8));
     float* qbuf = scratch.data();
     float* acc = qbuf + max_rows * d;
     float* row_max = acc + max_rows * d;
     float* row_sum = row_max + max_rows;
     float* kvbuf = row_sum + max_rows;
-    float* scores = kvbuf + bs * d;
+    float* scores = kvbuf + 2 * bs * d;  // kvbuf: a block's widened rows, then its transposed keys
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
       const Item& it = items[i];
       const int64_t rows = it.tile.tokens * num_heads;
