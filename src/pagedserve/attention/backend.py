@@ -13,7 +13,8 @@ so with `masks = True`; the others refuse a layer that needs them (refuse_masks)
 """
 from __future__ import annotations
 
-from typing import Protocol
+from abc import ABC, abstractmethod
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -42,6 +43,42 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         """Store k/v at meta.slot_mapping, then attend over each sequence's context."""
         ...
+
+
+class _StepPlan(Protocol):
+    @property
+    def meta(self) -> AttentionMetadata: ...
+
+
+PlanT = TypeVar("PlanT", bound=_StepPlan)
+
+
+class PlannedBackend(ABC, Generic[PlanT]):
+    """A backend whose `prepare` builds the step's plan once per metadata object: every
+    layer of the step gets that plan, and the next step's metadata makes a new one."""
+
+    name: str
+    masks: bool
+
+    def __init__(self) -> None:
+        self._plan: PlanT | None = None
+
+    def start_forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, window: int,
+                      softcap: float) -> PlanT:
+        """The step's plan, once the layer's options and q have passed the checks every
+        forward makes before it touches the cache."""
+        if not self.masks:
+            refuse_masks(self.name, window, softcap)
+        check_step(q, kv_cache, meta)
+        return self.prepare(meta)
+
+    def prepare(self, meta: AttentionMetadata) -> PlanT:
+        if self._plan is None or self._plan.meta is not meta:
+            self._plan = self._make_plan(meta)
+        return self._plan
+
+    @abstractmethod
+    def _make_plan(self, meta: AttentionMetadata) -> PlanT: ...
 
 
 def refuse_masks(backend: str, window: int, softcap: float) -> None:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import native_unavailable_reason
-from .backend import check_step, refuse_masks, write_kv
+from .backend import PlannedBackend, write_kv
 from .cpu_backend import attend_chunk
 from .metadata import AttentionMetadata
 
@@ -60,26 +60,19 @@ def plan_step(meta: AttentionMetadata, short_below: int) -> ContiguousStepPlan:
     return ContiguousStepPlan(meta, short, chunks, torch.tensor(short_seqs, dtype=torch.int64))
 
 
-class ContiguousAttention:
+class ContiguousAttention(PlannedBackend[ContiguousStepPlan]):
     """The contiguous layout on torch kernels: decodes are its short queries."""
 
     name = "contiguous"
     short_below = 2
     masks = False
 
-    def __init__(self) -> None:
-        self._plan: ContiguousStepPlan | None = None
-
-    def prepare(self, meta: AttentionMetadata) -> ContiguousStepPlan:
-        if self._plan is None or self._plan.meta is not meta:
-            self._plan = plan_step(meta, self.short_below)
-        return self._plan
+    def _make_plan(self, meta: AttentionMetadata) -> ContiguousStepPlan:
+        return plan_step(meta, self.short_below)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-        refuse_masks(self.name, window, softcap)
-        check_step(q, kv_cache, meta)
-        plan = self.prepare(meta)
+        plan = self.start_forward(q, kv_cache, meta, window, softcap)
         self._write(k, v, kv_cache, meta)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])  # [2, slots, kv_heads, head_dim]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .backend import attend_each_sequence, check_step, to_cache_dtype, write_kv
+from .backend import PlannedBackend, attend_each_sequence, to_cache_dtype, write_kv
 from .metadata import AttentionMetadata
 
 # From this many query tokens on, a sequence gets its own call: the causal kernel
@@ -88,7 +88,7 @@ class StepPlan:
     max_gathered_blocks: int
 
 
-class CpuPagedAttention:
+class CpuPagedAttention(PlannedBackend[StepPlan]):
     """The default CPU backend.
 
     `prepare(meta)` builds the step's grouping, gather indices and masks once; every
@@ -109,13 +109,11 @@ class CpuPagedAttention:
     masks = True
 
     def __init__(self) -> None:
-        self._plan: StepPlan | None = None
+        super().__init__()
         self._workspace = torch.empty(0)
 
-    def prepare(self, meta: AttentionMetadata) -> StepPlan:
-        if self._plan is None or self._plan.meta is not meta:
-            self._plan = build_plan(meta)
-        return self._plan
+    def _make_plan(self, meta: AttentionMetadata) -> StepPlan:
+        return build_plan(meta)
 
     def forward(
         self,
@@ -128,8 +126,7 @@ class CpuPagedAttention:
         window: int = 0,
         softcap: float = 0.0,
     ) -> torch.Tensor:
-        check_step(q, kv_cache, meta)
-        plan = self.prepare(meta)
+        plan = self.start_forward(q, kv_cache, meta, window, softcap)
         write_kv(k, v, kv_cache, meta.slot_mapping)
         if window or softcap:
             return attend_each_sequence(q, kv_cache, meta, scale, window, softcap)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import native_unavailable_reason
-from .backend import check_step
+from .backend import PlannedBackend
 from .metadata import AttentionMetadata
 
 
@@ -33,7 +33,7 @@ class NativeStepPlan:
     seqs: torch.Tensor  # int64: the sequences with new tokens
 
 
-class NativePagedAttention:
+class NativePagedAttention(PlannedBackend[NativeStepPlan]):
     """The backend when kernels resolve to "native". The step's plan is built once per
     metadata object and reused by every layer."""
 
@@ -44,21 +44,18 @@ class NativePagedAttention:
         reason = native_unavailable_reason()
         if reason is not None:
             raise ValueError(f"the native attention backend cannot run: {reason}")
-        self._plan: NativeStepPlan | None = None
+        super().__init__()
 
-    def prepare(self, meta: AttentionMetadata) -> NativeStepPlan:
-        if self._plan is None or self._plan.meta is not meta:
-            for i, (qlen, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-                if qlen > seq_len:
-                    raise ValueError(f"sequence {i}: query_len {qlen} exceeds seq_len {seq_len}")
-            seqs = [i for i, qlen in enumerate(meta.query_lens_cpu) if qlen]
-            self._plan = NativeStepPlan(meta, torch.tensor(seqs, dtype=torch.int64))
-        return self._plan
+    def _make_plan(self, meta: AttentionMetadata) -> NativeStepPlan:
+        for i, (qlen, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            if qlen > seq_len:
+                raise ValueError(f"sequence {i}: query_len {qlen} exceeds seq_len {seq_len}")
+        seqs = [i for i, qlen in enumerate(meta.query_lens_cpu) if qlen]
+        return NativeStepPlan(meta, torch.tensor(seqs, dtype=torch.int64))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-        check_step(q, kv_cache, meta)
-        plan = self.prepare(meta)
+        plan = self.start_forward(q, kv_cache, meta, window, softcap)
         torch.ops.pagedserve.write_kv_(kv_cache, k, v, meta.slot_mapping)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         if plan.seqs.numel():

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backend import check_step, refuse_masks
+from .backend import PlannedBackend
 from .metadata import AttentionMetadata
 
 
@@ -32,7 +32,7 @@ class TritonStepPlan:
     max_query_len: int  # 1 for a decode-only step: the kernel then takes its smallest tile
 
 
-class TritonPagedAttention:
+class TritonPagedAttention(PlannedBackend[TritonStepPlan]):
     """`decode_segments`: how many parts a decode step of few sequences cuts each
     context into (split-KV, so that such a step still fills the GPU); a power of two."""
 
@@ -50,19 +50,15 @@ class TritonPagedAttention:
             raise ValueError(f"decode_segments must be a power of two >= 1, got {decode_segments}")
         self._kernels = triton_kernels
         self._decode_segments = segments
-        self._plan: TritonStepPlan | None = None
+        super().__init__()
 
-    def prepare(self, meta: AttentionMetadata) -> TritonStepPlan:
-        if self._plan is None or self._plan.meta is not meta:
-            self._plan = TritonStepPlan(meta, meta.max_query_len)
-        return self._plan
+    def _make_plan(self, meta: AttentionMetadata) -> TritonStepPlan:
+        return TritonStepPlan(meta, meta.max_query_len)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-        refuse_masks(self.name, window, softcap)
-        check_step(q, kv_cache, meta)
+        plan = self.start_forward(q, kv_cache, meta, window, softcap)
         self._check_inputs(q, k, v, kv_cache, meta)
-        plan = self.prepare(meta)
         segments = self._kernels.num_segments(meta.num_seqs, kv_cache.shape[3], plan.max_query_len,
                                               self._decode_segments)
         self._kernels.write_kv(kv_cache, k, v, meta.slot_mapping)

@@ -10,12 +10,15 @@ for the routes they proxy (router/openapi.py).
 """
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
+from starlette.requests import Request
+from starlette.responses import Response
 
 from .openai_bodies import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
@@ -242,6 +245,20 @@ def request_body(model: type[BaseModel]) -> dict[str, Any]:
     """`openapi_extra` for a route that parses `model` from a JSON body itself."""
     return {"requestBody": {"required": True, "content": {
         "application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}}}}
+
+
+def post_route(app: FastAPI, path: str, body: type[BaseModel], responses: dict[int | str, dict[str, Any]],
+               name: str, handle: Callable[[Request], Awaitable[Response]]) -> None:
+    """POST `path`, answered by `handle`, which parses `body` from the request itself;
+    `name` is the operation's in the document (its id and summary)."""
+
+    # Not `handle` itself: FastAPI would publish the handler's docstring as the operation's
+    # description.
+    async def endpoint(request: Request) -> Response:
+        return await handle(request)
+
+    app.add_api_route(path, endpoint, methods=["POST"], name=name, openapi_extra=request_body(body),
+                      responses=responses)
 
 
 def _sse_event(chunk: type[BaseModel]) -> dict[str, Any]:

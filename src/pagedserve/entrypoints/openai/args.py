@@ -105,24 +105,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(
-        engine=EngineConfig.from_cli_args(args),
-        host=args.host,
-        port=args.port,
-        served_model_name=args.served_model_name,
-        api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
-        api_keys=args.api_keys,
-        allowed_origins=args.allowed_origins,
-        max_queued_requests=args.max_queued_requests,
-        max_n=args.max_n,
-        max_logprobs=args.max_logprobs,
-        max_request_body_size=args.max_request_body_size,
-        max_header_size=args.max_header_size,
-        header_timeout=args.header_timeout,
-        shutdown_timeout=args.shutdown_timeout,
-        uvicorn_log_level=args.uvicorn_log_level,
-        disable_uvicorn_access_log=args.disable_uvicorn_access_log,
-        dashboard=args.dashboard,
-        dashboard_show_prompts=args.dashboard_show_prompts,
-        tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
-    )
+    # Every other field's flag has the field's name as its dest and takes its value as given.
+    derived = {
+        "engine": EngineConfig.from_cli_args(args),
+        "api_key": args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
+        "tool_call_parser": None if args.tool_call_parser == "none" else args.tool_call_parser,
+    }
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if f.name not in derived}
+    return ServerConfig(**given, **derived)

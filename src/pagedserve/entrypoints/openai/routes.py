@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 from pydantic import BaseModel
-from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from ... import __version__
@@ -17,7 +16,7 @@ from ...http.openai_bodies import ChatCompletionRequest, CompletionRequest, Deto
     TokenizeRequest
 from ...http.openapi import ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse, \
     DetokenizeResponse, ModelList, TokenizeResponse, TokenizerInfoResponse, VersionResponse, body_responses, \
-    generation_responses, get_responses, request_body, responses_api_responses
+    generation_responses, get_responses, post_route, responses_api_responses
 from ...http.tool_parsers import ToolParser
 from .args import ServerConfig
 from .dashboard import install_dashboard
@@ -53,19 +52,11 @@ def openai_routes(app: FastAPI, parts: ServerParts) -> list[type[BaseModel]]:
     responses = ResponsesServing(parts.context, tool_parser=parts.tool_parser)
     engine, created = parts.context.engine, int(time.time())
 
-    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
-              responses=generation_responses(CompletionResponse, CompletionChunk))
-    async def create_completion(request: Request) -> Response:
-        return await completions.create(request)
-
-    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest),
-              responses=generation_responses(ChatCompletionResponse, ChatCompletionChunk))
-    async def create_chat_completion(request: Request) -> Response:
-        return await chat.create(request)
-
-    @app.post("/v1/responses", openapi_extra=request_body(ResponsesRequest), responses=responses_api_responses())
-    async def create_response(request: Request) -> Response:
-        return await responses.create(request)
+    post_route(app, "/v1/completions", CompletionRequest, generation_responses(CompletionResponse, CompletionChunk),
+               "create_completion", completions.create)
+    post_route(app, "/v1/chat/completions", ChatCompletionRequest,
+               generation_responses(ChatCompletionResponse, ChatCompletionChunk), "create_chat_completion", chat.create)
+    post_route(app, "/v1/responses", ResponsesRequest, responses_api_responses(), "create_response", responses.create)
 
     @app.get("/v1/models", responses=get_responses(ModelList))
     async def list_models() -> JSONResponse:
@@ -80,14 +71,9 @@ def tokenizer_routes(app: FastAPI, parts: ServerParts) -> list[type[BaseModel]]:
     serving = TokenizeServing(parts.context, tool_parser=parts.tool_parser)
     info = tokenizer_info(serving.tokenizer, parts.context.engine.max_context_len)
 
-    @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest), responses=body_responses(TokenizeResponse))
-    async def tokenize(request: Request) -> JSONResponse:
-        return await serving.tokenize(request)
-
-    @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest),
-              responses=body_responses(DetokenizeResponse))
-    async def detokenize(request: Request) -> JSONResponse:
-        return await serving.detokenize(request)
+    post_route(app, "/tokenize", TokenizeRequest, body_responses(TokenizeResponse), "tokenize", serving.tokenize)
+    post_route(app, "/detokenize", DetokenizeRequest, body_responses(DetokenizeResponse), "detokenize",
+               serving.detokenize)
 
     @app.get("/tokenizer_info", responses=get_responses(TokenizerInfoResponse))
     async def get_tokenizer_info() -> JSONResponse:

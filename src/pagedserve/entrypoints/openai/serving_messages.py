@@ -28,7 +28,7 @@ from ...http.disconnect import named_sse, until_disconnected
 from ...http.errors import APIError
 from ...http.json_body import StrictModel, parse_body, validation_error
 from ...http.openai_bodies import ChatCompletionRequest
-from ...http.openapi import anthropic_responses, request_body
+from ...http.openapi import anthropic_responses, post_route
 from ...http.tool_parsers import ToolCallDelta
 from ...http.tools import ToolPlan, template_messages
 from ...sampling_params import SamplingParams
@@ -44,15 +44,11 @@ def messages_routes(app: FastAPI, parts: ServerParts) -> list[type[StrictModel]]
     """The Anthropic routes; returns their request models for the document."""
     messages = MessagesServing(parts.context, tool_parser=parts.tool_parser)
 
-    @app.post("/v1/messages", openapi_extra=request_body(MessagesRequest),
-              responses=anthropic_responses(Message, AnthropicErrorResponse, STREAM_EVENTS))
-    async def create_message(request: Request) -> Response:
-        return await messages.create(request)
-
-    @app.post("/v1/messages/count_tokens", openapi_extra=request_body(CountTokensRequest),
-              responses=anthropic_responses(CountTokensResponse, AnthropicErrorResponse))
-    async def count_message_tokens(request: Request) -> JSONResponse:
-        return await messages.count_tokens(request)
+    post_route(app, "/v1/messages", MessagesRequest, anthropic_responses(Message, AnthropicErrorResponse, STREAM_EVENTS),
+               "create_message", messages.create)
+    post_route(app, "/v1/messages/count_tokens", CountTokensRequest,
+               anthropic_responses(CountTokensResponse, AnthropicErrorResponse), "count_message_tokens",
+               messages.count_tokens)
 
     return [MessagesRequest, CountTokensRequest]
 

@@ -19,7 +19,7 @@ from ...http.disconnect import until_disconnected
 from ...http.errors import APIError
 from ...http.json_body import StrictModel
 from ...http.openai_bodies import Prompt, check_token_ids, completion_prompts
-from ...http.openapi import admitted_responses, request_body
+from ...http.openapi import admitted_responses, post_route
 from ...http.pooling_bodies import EmbeddingRequest, EmbeddingResponse, RerankRequest, RerankResponse, \
     ScoreRequest, ScoreResponse
 from ...pooling_params import PoolingParams, cosine_similarity, score_pairs
@@ -37,18 +37,10 @@ def pooling_routes(app: FastAPI, parts: ServerParts) -> list[type[StrictModel]]:
     """The embedding routes; returns their request models for the document."""
     serving = PoolingServing(parts.context)
 
-    @app.post("/v1/embeddings", openapi_extra=request_body(EmbeddingRequest),
-              responses=admitted_responses(EmbeddingResponse))
-    async def create_embeddings(request: Request) -> Response:
-        return await serving.embeddings(request)
-
-    @app.post("/v1/score", openapi_extra=request_body(ScoreRequest), responses=admitted_responses(ScoreResponse))
-    async def create_score(request: Request) -> Response:
-        return await serving.score(request)
-
-    @app.post("/v1/rerank", openapi_extra=request_body(RerankRequest), responses=admitted_responses(RerankResponse))
-    async def create_rerank(request: Request) -> Response:
-        return await serving.rerank(request)
+    post_route(app, "/v1/embeddings", EmbeddingRequest, admitted_responses(EmbeddingResponse), "create_embeddings",
+               serving.embeddings)
+    post_route(app, "/v1/score", ScoreRequest, admitted_responses(ScoreResponse), "create_score", serving.score)
+    post_route(app, "/v1/rerank", RerankRequest, admitted_responses(RerankResponse), "create_rerank", serving.rerank)
 
     return [EmbeddingRequest, ScoreRequest, RerankRequest]
 

@@ -89,33 +89,6 @@ void quantize_row(const float* x, int64_t nb, int8_t* q, float* scale, float* sc
   }
 }
 
-// Byte-wise left shift by S (right by -S) within 16-bit lanes; the masks that follow keep
-// only bits that came from their own byte.
-template <int S>
-inline __m256i shl16(__m256i a) {
-  if constexpr (S > 0) return _mm256_slli_epi16(a, S);
-  else if constexpr (S < 0) return _mm256_srli_epi16(a, -S);
-  else return a;
-}
-
-// Code bytes of nibble vector V of a block: lo (values 8V..8V+3 of each column) and hi
-// (8V+4..8V+7), with the bits above the nibble from `plane` (quant_linear.h's layout).
-template <int kHi, int V>
-inline void codes256(__m256i raw, __m256i plane, __m256i& lo, __m256i& hi) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  lo = _mm256_and_si256(raw, low4);
-  hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-  if constexpr (kHi == 1) {
-    const __m256i bit = _mm256_set1_epi8(0x10);
-    lo = _mm256_or_si256(lo, _mm256_and_si256(shl16<4 - 2 * V>(plane), bit));
-    hi = _mm256_or_si256(hi, _mm256_and_si256(shl16<3 - 2 * V>(plane), bit));
-  } else if constexpr (kHi == 2) {
-    const __m256i bits = _mm256_set1_epi8(0x30);
-    lo = _mm256_or_si256(lo, _mm256_and_si256(shl16<4 - 4 * (V % 2)>(plane), bits));
-    hi = _mm256_or_si256(hi, _mm256_and_si256(shl16<2 - 4 * (V % 2)>(plane), bits));
-  }
-}
-
 // Where block b's tile and its super-block's header are, from a tile group's start.
 template <int64_t kType>
 inline const uint8_t* block_tile(const uint8_t* group, int64_t b, const uint8_t*& hdr) {
@@ -125,7 +98,8 @@ inline const uint8_t* block_tile(const uint8_t* group, int64_t b, const uint8_t*
 }
 
 // The fp32 ops' formats, for each nibble block's per-column (d, m): the very numbers the
-// fp32 op makes (for Q6_K, d of the 16 values of a half; its m is not used here).
+// fp32 op makes (for Q6_K, d of the 16 values of a half; its m is not used here); and the
+// code bytes and block order this op takes from them.
 namespace avx2 {
 #include "tile_formats.inc"
 }  // namespace avx2
@@ -139,7 +113,7 @@ void tile_dot(const uint8_t* tiles, int64_t nb, const int8_t* qa, int64_t k, con
               const int32_t* hs, float* out, int64_t ldo, int64_t ncols, const float* bias) {
   constexpr bool kQ8 = kType == kQ8_0, kSym = kType == kQ6_K;
   constexpr int kHi = hi_bits(kType);
-  constexpr int64_t kS = kQ8 ? 16 : scale_bytes(kType);
+  using Nibbles = avx2::NibbleFormat<V8, kType>;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
@@ -170,11 +144,8 @@ void tile_dot(const uint8_t* tiles, int64_t nb, const int8_t* qa, int64_t k, con
     __m256 d, m;
     const auto vector = [&](auto vc) {
       constexpr int V = decltype(vc)::value;
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kS + 32 * V));
-      const __m256i plane = kHi ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kS + 128 + 32 * (kHi == 2 ? V / 2 : 0)))
-                                : _mm256_setzero_si256();
       __m256i lo, hi;
-      codes256<kHi, V>(raw, plane, lo, hi);
+      Nibbles::template codes<V>(Nibbles::template load<V>(t, 0), lo, hi);
       for (int r = 0; r < MR; ++r) {
         const int8_t* a = qa + r * k + b * kBlock + 8 * V;
         const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(a))),
@@ -200,21 +171,11 @@ void tile_dot(const uint8_t* tiles, int64_t nb, const int8_t* qa, int64_t k, con
         }
       }
     };
-    using Scales = avx2::NibbleFormat<V8, kType>;
     const auto load_scales = [&](int half) {
-      const auto sc = Scales::scales(hdr, t, 0, half);
+      const auto sc = Nibbles::scales(hdr, t, 0, half);
       d = sc.d, m = sc.m;
     };
-    load_scales(0);
-    vector(std::integral_constant<int, 0>{});
-    vector(std::integral_constant<int, 1>{});
-    if constexpr (kSym) {
-      scale_half(0);
-      load_scales(1);
-    }
-    vector(std::integral_constant<int, 2>{});
-    vector(std::integral_constant<int, 3>{});
-    scale_half(kSym ? 1 : 0);
+    Nibbles::int8_block(load_scales, vector, scale_half);
   }
   for (int r = 0; r < MR; ++r) {
     if (bias != nullptr) acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(bias));
@@ -253,29 +214,6 @@ constexpr int64_t kPrefetch = 8;
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vnni")
-template <int S>
-inline __m512i shl16_512(__m512i a) {
-  if constexpr (S > 0) return _mm512_slli_epi16(a, S);
-  else if constexpr (S < 0) return _mm512_srli_epi16(a, -S);
-  else return a;
-}
-
-template <int kHi, int V>
-inline void codes512(__m512i raw, __m512i plane, __m512i& lo, __m512i& hi) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  lo = _mm512_and_si512(raw, low4);
-  hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-  if constexpr (kHi == 1) {
-    const __m512i bit = _mm512_set1_epi8(0x10);
-    lo = _mm512_or_si512(lo, _mm512_and_si512(shl16_512<4 - 2 * V>(plane), bit));
-    hi = _mm512_or_si512(hi, _mm512_and_si512(shl16_512<3 - 2 * V>(plane), bit));
-  } else if constexpr (kHi == 2) {
-    const __m512i bits = _mm512_set1_epi8(0x30);
-    lo = _mm512_or_si512(lo, _mm512_and_si512(shl16_512<4 - 4 * (V % 2)>(plane), bits));
-    hi = _mm512_or_si512(hi, _mm512_and_si512(shl16_512<2 - 4 * (V % 2)>(plane), bits));
-  }
-}
-
 namespace avx512 {
 #include "tile_formats.inc"
 }  // namespace avx512
@@ -284,8 +222,8 @@ template <int MR, int64_t kType>
 void quad_dot_vnni(const uint8_t* tiles, int64_t stride, int64_t nb, const int8_t* qa, int64_t k, const float* da,
                    const float* sa, const int32_t* hs, float* out, int64_t ldo, const float* bias) {
   constexpr bool kQ8 = kType == kQ8_0, kSym = kType == kQ6_K;
-  constexpr int kHi = hi_bits(kType);
-  constexpr int64_t kS = kQ8 ? 16 : scale_bytes(kType), kTile = packed_layout(kType).tile;
+  constexpr int64_t kTile = packed_layout(kType).tile;
+  using Nibbles = avx512::NibbleFormat<V16, kType>;
   const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[MR][2];
 #pragma GCC unroll 8
@@ -329,13 +267,9 @@ void quad_dot_vnni(const uint8_t* tiles, int64_t stride, int64_t nb, const int8_
     __m512 d0, m0, d1, m1;
     const auto vector = [&](auto vc) {
       constexpr int V = decltype(vc)::value;
-      const int64_t off = kS + 32 * V, poff = kS + 128 + 32 * (kHi == 2 ? V / 2 : 0);
-      const __m512i raw0 = pair512(t0 + off, t1 + off), raw1 = pair512(t2 + off, t3 + off);
-      const __m512i p0 = kHi ? pair512(t0 + poff, t1 + poff) : _mm512_setzero_si512();
-      const __m512i p1 = kHi ? pair512(t2 + poff, t3 + poff) : _mm512_setzero_si512();
       __m512i lo0, hi0, lo1, hi1;
-      codes512<kHi, V>(raw0, p0, lo0, hi0);
-      codes512<kHi, V>(raw1, p1, lo1, hi1);
+      Nibbles::template codes<V>(Nibbles::template load<V>(t0, stride), lo0, hi0);
+      Nibbles::template codes<V>(Nibbles::template load<V>(t2, stride), lo1, hi1);
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const int8_t* ar = a + r * k + 8 * V;
@@ -362,21 +296,11 @@ void quad_dot_vnni(const uint8_t* tiles, int64_t stride, int64_t nb, const int8_
         }
       }
     };
-    using Scales = avx512::NibbleFormat<V16, kType>;
     const auto load_scales = [&](int half) {
-      const auto s0 = Scales::scales(h0, t0, stride, half), s1 = Scales::scales(h2, t2, stride, half);
+      const auto s0 = Nibbles::scales(h0, t0, stride, half), s1 = Nibbles::scales(h2, t2, stride, half);
       d0 = s0.d, m0 = s0.m, d1 = s1.d, m1 = s1.m;
     };
-    load_scales(0);
-    vector(std::integral_constant<int, 0>{});
-    vector(std::integral_constant<int, 1>{});
-    if constexpr (kSym) {
-      scale_half(0);
-      load_scales(1);
-    }
-    vector(std::integral_constant<int, 2>{});
-    vector(std::integral_constant<int, 3>{});
-    scale_half(kSym ? 1 : 0);
+    Nibbles::int8_block(load_scales, vector, scale_half);
   }
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {

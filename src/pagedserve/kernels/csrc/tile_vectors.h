@@ -33,6 +33,9 @@ struct V8 {
   template <int S> static I srli(I a) { return _mm256_srli_epi32(a, S); }
   template <int S> static I slli(I a) { return _mm256_slli_epi32(a, S); }
   template <int S> static I srai(I a) { return _mm256_srai_epi32(a, S); }
+  template <int S> static I srli16(I a) { return _mm256_srli_epi16(a, S); }
+  template <int S> static I slli16(I a) { return _mm256_slli_epi16(a, S); }
+  static I set8(char v) { return _mm256_set1_epi8(v); }
   static I and_(I a, I b) { return _mm256_and_si256(a, b); }
   static I or_(I a, I b) { return _mm256_or_si256(a, b); }
   static I seti(int v) { return _mm256_set1_epi32(v); }
@@ -79,6 +82,10 @@ struct V16 {
   template <int S> static I srli(I a) { return _mm512_srli_epi32(a, S); }
   template <int S> static I slli(I a) { return _mm512_slli_epi32(a, S); }
   template <int S> static I srai(I a) { return _mm512_srai_epi32(a, S); }
+  // 16-bit lanes take AVX512BW, which the fp32 op's AVX-512 path does not ask for.
+  template <int S> __attribute__((target("avx512f,avx512bw"))) static I srli16(I a) { return _mm512_srli_epi16(a, S); }
+  template <int S> __attribute__((target("avx512f,avx512bw"))) static I slli16(I a) { return _mm512_slli_epi16(a, S); }
+  static I set8(char v) { return _mm512_set1_epi8(v); }
   static I and_(I a, I b) { return _mm512_and_si512(a, b); }
   static I or_(I a, I b) { return _mm512_or_si512(a, b); }
   static I seti(int v) { return _mm512_set1_epi32(v); }
