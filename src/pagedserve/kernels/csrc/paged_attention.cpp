@@ -185,35 +185,65 @@ template <int NV, int R, typename S>
     }
 }
 
-// acc_r += sum_t p_r[t] * values[t] for R rows and t < count: each V vector is loaded
-// (and widened) once for all R rows. Keys past a row's own count have p = 0 exactly
-// (their scores were -inf), so adding them leaves its sums as they were.
-template <int NV, int R, typename S>
-[[gnu::always_inline]] inline void group_values(float* const* acc, const float* const* p, const S* values,
-                                                int64_t token_stride, int64_t count, int64_t d) {
-  // Eight vectors (64 values) of every row at a time: 24 accumulators at R=3.
-  constexpr int kChunk = NV == 0 ? 1 : std::min(NV, 8);
-  for (int64_t c = 0; c < d; c += 8 * kChunk) {
-    __m256 a[R][kChunk];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < kChunk; ++v) a[r][v] = _mm256_loadu_ps(acc[r] + c + 8 * v);
-    for (int64_t t = 0; t < count; ++t) {
-      __m256 pt[R];
-      for (int r = 0; r < R; ++r) pt[r] = _mm256_set1_ps(p[r][t]);
-      const S* row = values + t * token_stride + c;
-      for (int v = 0; v < kChunk; ++v) {
-        const __m256 x = load_fp32<S>(row + 8 * v);
-        for (int r = 0; r < R; ++r) a[r][v] = _mm256_fmadd_ps(pt[r], x, a[r][v]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < kChunk; ++v) _mm256_storeu_ps(acc[r] + c + 8 * v, a[r][v]);
+// Eight (V8) or sixteen (V16) elements of a cache row as fp32.
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+template <typename S>
+inline __m512 load16_fp32(const S* src) {
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm512_loadu_ps(src);
+  } else {
+    const __m256d lo = _mm256_castps_pd(load_fp32<S>(src)), hi = _mm256_castps_pd(load_fp32<S>(src + 8));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(lo), hi, 1));
+  }
+}
+#pragma GCC pop_options
+
+template <class L, typename S>
+[[gnu::always_inline]] inline typename L::F load_lanes(const S* src) {
+  if constexpr (L::kCols == 8) {
+    return load_fp32<S>(src);
+  } else {
+    return load16_fp32<S>(src);
   }
 }
 
 // Keeps v in a register: else the compiler folds its load into each row's FMA, and the
 // loads (one per row) bound the loop instead of the FMAs.
-__attribute__((target("avx512f"))) [[gnu::always_inline]] inline void in_register(__m512& v) { asm("" : "+v"(v)); }
+template <typename F>
+[[gnu::always_inline]] inline void in_register(F& v) {
+  asm("" : "+v"(v));
+}
+
+// acc_r += sum_t p_r[t] * values[t] for R rows and t < count: each V vector is loaded
+// (and widened) once for all R rows. Keys past a row's own count have p = 0 exactly
+// (their scores were -inf), so adding them leaves its sums as they were. Each output
+// lane is one chain of FMAs over t whatever the width L, so V8 and V16 give the same bits.
+template <class L, int NV, int R, typename S>
+[[gnu::always_inline]] inline void group_values(float* const* acc, const float* const* p, const S* values,
+                                                int64_t token_stride, int64_t count, int64_t d) {
+  using F = typename L::F;
+  // 64 values of every row at a time: 24 ymm or 12 zmm accumulators at R=3.
+  constexpr int kChunk = NV == 0 ? 1 : std::min(NV * 8, 64) / L::kCols;
+  constexpr int kStep = L::kCols * kChunk;
+  for (int64_t c = 0; c < d; c += kStep) {
+    F a[R][kChunk];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kChunk; ++v) a[r][v] = L::load(acc[r] + c + L::kCols * v);
+    for (int64_t t = 0; t < count; ++t) {
+      F pt[R];
+      for (int r = 0; r < R; ++r) pt[r] = L::set1(p[r][t]);
+      const S* row = values + t * token_stride + c;
+      for (int v = 0; v < kChunk; ++v) {
+        F x = load_lanes<L, S>(row + L::kCols * v);
+        in_register(x);
+        for (int r = 0; r < R; ++r) a[r][v] = L::fmadd(pt[r], x, a[r][v]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kChunk; ++v) L::store(acc[r] + c + L::kCols * v, a[r][v]);
+  }
+}
 
 // The functions below are not inlined: they run only where the CPU has AVX-512, and
 // the lambdas of attend_rows that call them may be compiled for AVX2.
@@ -269,38 +299,14 @@ __attribute__((target("avx512f,avx512vl"))) void transposed_scores(
   }
 }
 
-// group_values with 16 lanes where head_dim allows: each output lane is the same chain of
-// FMAs over the block's tokens as in the 8-lane form, so the bits are the same.
+// group_values on 16 lanes where head_dim is whole zmm vectors.
 template <int NV, int R, typename S>
-__attribute__((target("avx512f,avx512vl"))) void wide_values(
-    float* const* acc, const float* const* p, const S* values, int64_t token_stride, int64_t count, int64_t d) {
+__attribute__((target("avx512f,avx512vl"))) void wide_values(float* const* acc, const float* const* p, const S* values,
+                                                            int64_t token_stride, int64_t count, int64_t d) {
   if constexpr (NV == 0 || NV % 2 != 0) {
-    group_values<NV, R>(acc, p, values, token_stride, count, d);
+    group_values<quant::V8, NV, R>(acc, p, values, token_stride, count, d);
   } else {
-    constexpr int kChunk = std::min(NV / 2, 4);
-    for (int64_t c = 0; c < d; c += 16 * kChunk) {
-      __m512 a[R][kChunk];
-      for (int r = 0; r < R; ++r)
-        for (int v = 0; v < kChunk; ++v) a[r][v] = _mm512_loadu_ps(acc[r] + c + 16 * v);
-      for (int64_t t = 0; t < count; ++t) {
-        __m512 pt[R];
-        for (int r = 0; r < R; ++r) pt[r] = _mm512_set1_ps(p[r][t]);
-        const S* row = values + t * token_stride + c;
-        for (int v = 0; v < kChunk; ++v) {
-          __m512 x;
-          if constexpr (std::is_same_v<S, float>) {
-            x = _mm512_loadu_ps(row + 16 * v);
-          } else {
-            const __m256d lo = _mm256_castps_pd(load_fp32<S>(row + 16 * v)), hi = _mm256_castps_pd(load_fp32<S>(row + 16 * v + 8));
-            x = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(lo), hi, 1));
-          }
-          in_register(x);
-          for (int r = 0; r < R; ++r) a[r][v] = _mm512_fmadd_ps(pt[r], x, a[r][v]);
-        }
-      }
-      for (int r = 0; r < R; ++r)
-        for (int v = 0; v < kChunk; ++v) _mm512_storeu_ps(acc[r] + c + 16 * v, a[r][v]);
-    }
+    group_values<quant::V16, NV, R>(acc, p, values, token_stride, count, d);
   }
 }
 
@@ -311,7 +317,7 @@ __attribute__((target("avx512f,avx512vl"))) __m256 exp_in_place_wide(float* s, i
   __m256 vsum = _mm256_setzero_ps();
   int64_t t = 0;
   for (; t + 16 <= n; t += 16) {
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(m)));
+    const __m512 e = exp_lanes<quant::V16>(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(m)));
     _mm512_storeu_ps(s + t, e);
     vsum = _mm256_add_ps(vsum, _mm512_castps512_ps256(e));
     vsum = _mm256_add_ps(vsum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
@@ -520,7 +526,7 @@ template <int NV, typename T, int RB, bool Wide>
           if constexpr (Wide) {
             wide_values<NV, R>(a, w, values, stride, count, d);
           } else {
-            group_values<NV, R>(a, w, values, stride, count, d);
+            group_values<quant::V8, NV, R>(a, w, values, stride, count, d);
           }
         });
       });

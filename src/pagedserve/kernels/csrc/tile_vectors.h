@@ -1,5 +1,8 @@
-// The vectors of output columns the packed-tile kernels are written over (tile_formats.inc):
-// V8 is one tile's 8 columns in a ymm, V16 two tiles' 16 columns in a zmm (AVX-512 only).
+// The vectors the native kernels are written over once: V8 is 8 float lanes in a ymm (one
+// packed tile's 8 output columns, tile_formats.inc), V16 16 lanes in a zmm (two tiles'
+// columns; AVX-512 only). Each op is the same instruction at either width, so code written
+// over them has the same per-lane arithmetic, and the same bits, on both paths (vec.h's
+// exp_lanes, the attention kernel's values).
 #pragma once
 
 #include <immintrin.h>
@@ -45,7 +48,18 @@ struct V8 {
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F neg(F a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F min(F a, F b) { return _mm256_min_ps(a, b); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F round(F a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // 2^n for whole n in [-127, 128].
+  static F pow2(F n) { return _mm256_castsi256_ps(slli<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), seti(127)))); }
+  // y where x >= lo, else 0 (NaN included).
+  static F keep_at_least(F y, F x, float lo) { return _mm256_and_ps(y, _mm256_cmp_ps(x, set1(lo), _CMP_GE_OQ)); }
   static F bcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F y) { _mm256_storeu_ps(p, y); }
   static void store(float* o, F y, const float* bias, int64_t ncols) {
     if (bias != nullptr) y = _mm256_add_ps(y, _mm256_loadu_ps(bias));
     if (ncols == kCols) {
@@ -95,7 +109,16 @@ struct V16 {
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F neg(F a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F min(F a, F b) { return _mm512_min_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F round(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F pow2(F n) { return _mm512_castsi512_ps(slli<23>(_mm512_add_epi32(_mm512_cvtps_epi32(n), seti(127)))); }
+  static F keep_at_least(F y, F x, float lo) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, set1(lo), _CMP_GE_OQ), y); }
   static F bcast(const float* p) { return _mm512_set1_ps(*p); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F y) { _mm512_storeu_ps(p, y); }
   static void store(float* o, F y, const float* bias, int64_t) {  // whole vectors only
     if (bias != nullptr) y = _mm512_add_ps(y, _mm512_loadu_ps(bias));
     _mm512_storeu_ps(o, y);
