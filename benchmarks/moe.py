@@ -6,12 +6,12 @@ pagedserve.model.gguf_write with the shipped tokenizer. The MoE ("1b": hidden 10
 layers, 40 experts of 512, top 6) holds ~1.1B parameters of which ~0.24B are active per
 token; the dense model has the same attention and embedding and one MLP of 6 x 512 = 3,072,
 so it reads what the MoE reads per decode step. Each serves one greedy request at a time
-through the engine on its GGUF blocks (--quantization none: fp32 arithmetic, dequant_linear
-and moe_experts);
-the two alternate round by round, and each round's ratio is MoE tok/s over the dense run
+through the engine on its GGUF blocks, both in the same arithmetic (`--quantization`: the
+default `auto` is int8 activations, quant_linear and moe_experts_int8; `none` is fp32,
+dequant_linear and moe_experts); the two alternate round by round, and each round's ratio is MoE tok/s over the dense run
 just before it (the issue's target: the MoE within 1.5x of the dense model, ratio >= 0.67).
 
-    .venv/bin/python benchmarks/moe.py [--size 1b|tiny] [--rounds 3] [--max-tokens 64] [--dir DIR]
+    .venv/bin/python benchmarks/moe.py [--size 1b|tiny] [--quantization auto|none] [--rounds 3] [--max-tokens 64] [--dir DIR]
 
 `--size tiny` (hidden 256, 2 layers, 8 experts of 256, top 2) proves the script runs.
 """
@@ -118,6 +118,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dir", default=None, help="keep (and reuse) the GGUFs here")
+    parser.add_argument("--quantization", choices=["auto", "none"], default="auto",
+                        help="both models' arithmetic: auto (int8 activations on a GGUF) or none (fp32)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -129,9 +131,7 @@ def main() -> None:
             if not path.is_file():
                 write_gguf(path, config, random_tensors(config), default_model_path(), q4_k_m_like)
             print(f"{path.name}: {path.stat().st_size / 2**20:.0f} MiB, {config.num_params / 1e6:.0f}M active params")
-            # quantization none: both models' every matrix in fp32 arithmetic on its blocks (the
-            # experts' op has no int8-activation mode yet, so the default "gguf" would not be like for like).
-            engines[config.architecture] = LLMEngine(EngineConfig(model=str(path), quantization="none",
+            engines[config.architecture] = LLMEngine(EngineConfig(model=str(path), quantization=args.quantization,
                                                                   kv_cache_memory="256MiB", max_model_len=1024))
             print(f"  weights: {engines[config.architecture].loaded.model.describe_weights()}")
         ratios = []
