@@ -84,9 +84,11 @@ def cluster(tmp_path_factory) -> Iterator[dict]:
         procs["logs"] = logs
         yield procs
     finally:
-        for proc in procs.values():
-            if isinstance(proc, (ServerProcess, RouterThread)):
-                proc.stop()
+        # The routers first: their open connections would hold the replicas' graceful drain.
+        for router in [p for p in procs.values() if isinstance(p, RouterThread)]:
+            router.stop()
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(ServerProcess.stop, [p for p in procs.values() if isinstance(p, ServerProcess)]))
 
 
 def metric(base_url: str, name: str, **labels: str) -> float:

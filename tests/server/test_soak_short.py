@@ -1,7 +1,7 @@
-"""The soak script itself, for 12 seconds: every kind of request it sends comes back
+"""The soak script itself, for 8 seconds: every kind of request it sends comes back
 with the status it expects (bad ones 400, none 5xx, no transport error), the engine
 is empty afterwards and the server exits 0 on SIGTERM. The RSS-slope verdict is left
-out (`--max-rss-slope-mib-per-min` huge): 12 seconds are all warm-up; the 20-minute run
+out (`--max-rss-slope-mib-per-min` huge): 8 seconds are all warm-up; the 20-minute run
 in docs/reliability.md is where it is judged."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 def test_a_short_soak_passes_every_check_but_the_slope(tmp_path):
     out = tmp_path / "soak.json"
     done = subprocess.run(
-        [sys.executable, str(SOAK), "--duration", "12", "--clients", "4", "--interval", "2", "--warmup", "0",
+        [sys.executable, str(SOAK), "--duration", "8", "--clients", "4", "--interval", "2", "--warmup", "0",
          "--max-rss-slope-mib-per-min", "1e9", "--out", str(out)],
         capture_output=True, text=True, timeout=240,
     )
