@@ -122,8 +122,7 @@ class MoE(nn.Module):
     def blocks_arithmetic(self) -> str:
         """The activations the experts' op on blocks runs with: int8 only where gate, up and
         down all ask for it (one op multiplies all three), else fp32."""
-        return "int8" if all(getattr(m, "activations", None) == "int8" for m in (self.gate, self.up, self.down)) \
-            else "fp32"
+        return "int8" if all(m.activations == "int8" for m in (self.gate, self.up, self.down)) else "fp32"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.router(x), self.config.top_k, self.config.normalize_top_k)

@@ -28,7 +28,8 @@
 // softmax's exponentials and (from kTransposeRows rows per KV head: prefill chunks) the
 // scores run 16 lanes wide, the scores from keys transposed once per block with the AVX2
 // path's summation tree written out: one 2,048-token prompt's attention (SmolLM2's heads,
-// 2 threads, AMD EPYC Zen 5) took 0.71-0.75x the time of the 8-lane form, the same bits.
+// 2 threads, AMD EPYC Zen 5) took 0.71-0.77x the time of the 8-lane form with an fp32
+// cache and 0.78-0.82x with fp16, the same bits.
 // A cache of fp16 or fp8 elements (`--kv-cache-dtype`) is read in its own width: widened
 // in registers as it is read when a KV head has at most kWidenRows query rows (a decode
 // at GQA <= 3), otherwise converted to fp32 once per block and head, into a buffer that
@@ -75,7 +76,9 @@ constexpr int64_t kTileRows = 256;
 constexpr int64_t kWidenRows = 3;
 // From this many query rows per KV head on the AVX-512 path, a block's keys are transposed
 // once ([head_dim][16 keys]) so that each row's scores for 16 keys are 16-lane FMAs with no
-// horizontal sums; fewer rows would not repay the transpose (a decode at GQA 3 has 3).
+// horizontal sums: prefill chunks, and decodes of models with GQA >= 8. Not tuned: SmolLM2's
+// decodes (3 rows) keep the in-place path and measured unchanged; the bits are the same
+// either side of it.
 constexpr int64_t kTransposeRows = 8;
 
 
@@ -185,7 +188,7 @@ template <int NV, int R, typename S>
     }
 }
 
-// Eight (V8) or sixteen (V16) elements of a cache row as fp32.
+// Sixteen elements of a cache row as fp32.
 #pragma GCC push_options
 #pragma GCC target("avx512f")
 template <typename S>
@@ -199,6 +202,7 @@ inline __m512 load16_fp32(const S* src) {
 }
 #pragma GCC pop_options
 
+// Eight (V8) or sixteen (V16) elements of a cache row as fp32.
 template <class L, typename S>
 [[gnu::always_inline]] inline typename L::F load_lanes(const S* src) {
   if constexpr (L::kCols == 8) {
@@ -310,9 +314,20 @@ __attribute__((target("avx512f,avx512vl"))) void wide_values(float* const* acc, 
   }
 }
 
-// A row's softmax numerators exp(s - m) in place over n scores (a multiple of 8), 16 lanes
-// at a time, and their sum in 8 lanes added in the AVX2 loop's order (t, t + 8, ...): the
-// same bits as that loop.
+// A row's softmax numerators exp(s - m) in place over scores t .. n - 1 (n - t a multiple
+// of 8), added to vsum in 8 lanes in order (t, t + 8, ...).
+[[gnu::always_inline]] inline __m256 exp_in_place(float* s, int64_t t, int64_t n, float m, __m256 vsum) {
+  const __m256 vm = _mm256_set1_ps(m);
+  for (; t < n; t += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+    _mm256_storeu_ps(s + t, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  return vsum;
+}
+
+// exp_in_place over n scores, 16 lanes at a time, each vector's two halves added to the
+// 8-lane sum one after the other: the same bits.
 __attribute__((target("avx512f,avx512vl"))) __m256 exp_in_place_wide(float* s, int64_t n, float m) {
   __m256 vsum = _mm256_setzero_ps();
   int64_t t = 0;
@@ -322,12 +337,7 @@ __attribute__((target("avx512f,avx512vl"))) __m256 exp_in_place_wide(float* s, i
     vsum = _mm256_add_ps(vsum, _mm512_castps512_ps256(e));
     vsum = _mm256_add_ps(vsum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
   }
-  if (t < n) {
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(m)));
-    _mm256_storeu_ps(s + t, e);
-    vsum = _mm256_add_ps(vsum, e);
-  }
-  return vsum;
+  return exp_in_place(s, t, n, m, vsum);
 }
 
 // Blocks sit at random places in the pool, so the hardware prefetcher cannot see the
@@ -494,16 +504,11 @@ template <int NV, typename T, int RB, bool Wide>
       std::fill(s, s + padded, 0.0f);
       continue;
     }
-    __m256 vsum = _mm256_setzero_ps();
+    __m256 vsum;
     if constexpr (Wide) {
       vsum = exp_in_place_wide(s, padded, m);
     } else {
-      const __m256 vm = _mm256_set1_ps(m);
-      for (int64_t t = 0; t < padded; t += 8) {
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
-        _mm256_storeu_ps(s + t, e);
-        vsum = _mm256_add_ps(vsum, e);
-      }
+      vsum = exp_in_place(s, 0, padded, m, _mm256_setzero_ps());
     }
     row_sum[r] = hsum(vsum);
     row_max[r] = m;
