@@ -1,5 +1,5 @@
 """The fp32 linear op on GGUF blocks (kernels/csrc/dequant_linear.cpp): the fp32 model a
-GGUF's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrices define, computed from
+GGUF's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K ... Q6_K matrices define, computed from
 the blocks, and likewise on F16 / BF16 weights as stored (each widens to fp32 exactly).
 
 Its arithmetic is defined exactly: each output is fma(x[k], w[k], acc) for k = 0 .. K-1 from
@@ -30,8 +30,8 @@ from pagedserve.model.quant import (BF16, QTYPES, QuantEmbedding, QuantLinear, d
 
 resolve_kernels("native")  # loads the op library; a broken build fails here rather than skipping
 
-BLOCK_TYPES = ["q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "f16", "bf16"]
-K_QUANTS = ("q4_k", "q5_k", "q6_k")
+BLOCK_TYPES = ["q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "f16", "bf16"]
+K_QUANTS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 
 
 def blocks_of(name: str, w: torch.Tensor) -> tuple[torch.Tensor, int]:

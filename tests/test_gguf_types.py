@@ -16,7 +16,7 @@ from pagedserve.model.gguf_rewrite import IQ4_NL_VALUES, quantize_iq4_nl, quanti
 from pagedserve.model.quant import ConcatLinear, QuantEmbedding, QuantLinear, widen_to_q8_0
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K])
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K])
 def test_k_quant_writer_makes_blocks_gguf_reads_back_close_to_the_values(qtype):
     rng = np.random.default_rng(int(qtype))
     x = (rng.standard_normal((6, 512)) * rng.uniform(0.01, 30, (6, 1))).astype(np.float32)
@@ -24,9 +24,10 @@ def test_k_quant_writer_makes_blocks_gguf_reads_back_close_to_the_values(qtype):
     raw = quantize_k(x, qtype)
     got = dequantize(raw, qtype).reshape(x.shape)
     assert np.array_equal(got[0, :256], np.zeros(256))
-    # Round to nearest on a grid of (max - min) / 15 (31, 63 for 5 and 6 bits), plus the
-    # 6-bit (Q6_K: 8-bit) quantisation of each block's scale against the super-block's.
-    bound = {T.Q4_K: 0.12, T.Q5_K: 0.06, T.Q6_K: 0.04}[qtype]
+    # Round to nearest on a grid of (max - min) / 15 (31, 63 for 5 and 6 bits; Q2_K's 3 and
+    # Q3_K's amax / 4), plus the 6-bit (Q6_K: 8-bit, Q2_K: 4-bit) quantisation of each block's
+    # scale against the super-block's.
+    bound = {T.Q2_K: 0.6, T.Q3_K: 0.3, T.Q4_K: 0.12, T.Q5_K: 0.06, T.Q6_K: 0.04}[qtype]
     span = np.abs(x).reshape(6, -1, 256).max(-1, keepdims=True)
     assert (np.abs(got - x).reshape(6, -1, 256) <= bound * span).all()
 
@@ -54,9 +55,10 @@ def test_iq4_nl_quantiser_picks_the_nearest_book_value():
 
 # A Q4_K_M-like mix on SmolLM2's shapes. Rows 576 wide are not whole K-quant super-blocks,
 # so llama-quantize stores them Q5_0 (Q8_0 where it aimed at Q6_K: attn_v and the tied
-# embedding), which makes qkv a matrix of two types; ffn_down (1,536 wide) is Q6_K in every
-# third layer and Q4_K elsewhere (its "more bits" rule); IQ4_NL for the gate/up pair, and
-# Q5_1 for layer 0's, so every type the kernels take is in the file.
+# embedding), which makes qkv a matrix of two types; ffn_down (1,536 wide) takes the K-quants
+# in turn (Q6_K, Q4_K, Q3_K, Q2_K: as Q4_K_M's "more bits" rule, Q3_K_M and Q2_K files do);
+# IQ4_NL for the gate/up pair, and Q5_1 for layer 0's, so every type the kernels take is in
+# the file.
 def q4_k_m_like(name: str, shape: tuple[int, ...], qtype: T) -> T:
     if len(shape) == 1:
         return qtype
@@ -65,7 +67,7 @@ def q4_k_m_like(name: str, shape: tuple[int, ...], qtype: T) -> T:
     if "ffn_gate" in name or "ffn_up" in name:
         return T.Q5_1 if name.startswith("blk.0.") else T.IQ4_NL
     if "ffn_down" in name:
-        return T.Q6_K if int(name.split(".")[1]) % 3 == 0 else T.Q4_K
+        return (T.Q6_K, T.Q4_K, T.Q3_K, T.Q2_K)[int(name.split(".")[1]) % 4]
     if name.startswith("blk.1."):
         return T.Q4_1
     return T.Q5_0
@@ -75,7 +77,7 @@ def q4_k_m_like(name: str, shape: tuple[int, ...], qtype: T) -> T:
 def mixed_gguf(tmp_path_factory, gguf_path):
     path = tmp_path_factory.mktemp("gguf") / "smollm2-mixed.gguf"
     written = rewrite_gguf(gguf_path, path, q4_k_m_like)
-    assert {"Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_1", "Q4_K", "Q6_K", "F32"} == set(written.values())
+    assert {"Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q6_K", "F32"} == set(written.values())
     return path
 
 
@@ -104,7 +106,7 @@ def test_a_mixed_file_runs_on_native_blocks_with_the_dense_models_tokens(mixed_g
     kinds = {path: getattr(m, "qtype", None) for path, m in model.named_linears()}
     assert kinds["layers.0.gate_up"] == T.Q5_1 and kinds["layers.2.gate_up"] == T.Q8_0  # IQ4_NL, widened
     assert kinds["layers.1.o"] == T.Q4_1 and kinds["layers.2.o"] == T.Q5_0
-    assert kinds["layers.0.down"] == T.Q6_K and kinds["layers.1.down"] == T.Q4_K
+    assert [kinds[f"layers.{i}.down"] for i in range(4)] == [T.Q6_K, T.Q4_K, T.Q3_K, T.Q2_K]
 
     dense = load_model(mixed_gguf, use_cache=False)
     prompts = [[1, 504, 3458, 282, 4649, 314], list(range(100, 160))]
@@ -123,8 +125,10 @@ def test_the_start_up_log_says_which_path_each_matrix_takes(mixed_gguf, caplog, 
                                quantization=quantization))
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights: "))
     # 30 layers. Q8_0: 30 v parts, 29 widened gate_up pairs, the tied head; Q5_0: 29 q/k
-    # parts, 29 o; Q4_K / Q6_K: down; layer 0's gate_up Q5_1, layer 1's q/k and o Q4_1.
+    # parts, 29 o; Q6_K / Q4_K / Q3_K / Q2_K: down; layer 0's gate_up Q5_1, layer 1's q/k and
+    # o Q4_1.
     a = f"({arithmetic} arithmetic)"
-    assert line == f"weights: 60 on Q8_0 blocks {a}, 58 on Q5_0 blocks {a}, 20 on Q4_K blocks {a}, " \
-                   f"10 on Q6_K blocks {a}, 2 on Q4_1 blocks {a}, 1 on Q5_1 blocks {a}; " \
+    assert line == f"weights: 60 on Q8_0 blocks {a}, 58 on Q5_0 blocks {a}, 8 on Q6_K blocks {a}, " \
+                   f"8 on Q4_K blocks {a}, 7 on Q3_K blocks {a}, 7 on Q2_K blocks {a}, 2 on Q4_1 blocks {a}, " \
+                   f"1 on Q5_1 blocks {a}; " \
                    "embedding on Q8_0 blocks", line

@@ -162,8 +162,9 @@ def test_op_sweep_shapes(name: str) -> None:
 
 # The types only files hold (Q5_0, Q5_1, K-quants), written by gguf's and pagedserve's
 # quantisers (test_gguf_types checks the writers), through the same int8 op.
-FILE_TYPES = {"q5_0": (22, slice(2, 22)), "q5_1": (24, slice(4, 24)), "q4_k": (144, slice(16, 144)),
-              "q5_k": (176, slice(16, 176)), "q6_k": (210, slice(0, 192))}
+FILE_TYPES = {"q5_0": (22, slice(2, 22)), "q5_1": (24, slice(4, 24)), "q2_k": (84, slice(16, 80)),
+              "q3_k": (110, slice(0, 96)), "q4_k": (144, slice(16, 144)), "q5_k": (176, slice(16, 176)),
+              "q6_k": (210, slice(0, 192))}
 
 
 def file_blocks(name: str, w: torch.Tensor) -> tuple[torch.Tensor, int]:

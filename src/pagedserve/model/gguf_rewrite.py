@@ -4,7 +4,7 @@ types users download (Q5_0 rows beside K-quants, IQ4_NL, ...) made here, never f
 `rewrite_gguf(src, dst, choose)` copies every metadata entry and, tensor by tensor, asks
 `choose(name, shape, qtype)` for the type to store; the weights are dequantised to fp32
 and quantised again. Legacy types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and BF16/F16/F32 use the
-`gguf` package's reference quantisers; IQ4_NL, Q4_K, Q5_K and Q6_K this module's
+`gguf` package's reference quantisers; IQ4_NL and the K-quants (Q2_K to Q6_K) this module's
 (`quantize_iq4_nl`, `quantize_k`: `gguf` 0.19 only dequantises those), checked against
 `gguf`'s dequantiser in tests/test_gguf_types.py.
 
@@ -62,15 +62,51 @@ def _codes(x: np.ndarray, d: np.ndarray, m: np.ndarray, top: int) -> np.ndarray:
     return np.where(d == 0, 0, np.clip(np.rint((x + m) / safe), 0, top)).astype(np.uint8)
 
 
+def _crumbs(codes: np.ndarray) -> np.ndarray:
+    """Codes 0..3 [..., 256] -> Q2_K / Q3_K's qs [..., 64]: value 128n + 32k + l at bits 2k, 2k + 1
+    of byte 32n + l."""
+    by_nkl = codes.reshape(*codes.shape[:-1], 2, 4, 32)
+    return sum((by_nkl[..., k, :] & 3) << (2 * k) for k in range(4)).astype(np.uint8).reshape(*codes.shape[:-1], 64)
+
+
+def _quantize_low_k(sb: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Super-blocks fp32 [..., 256] -> Q2_K or Q3_K blocks (ggml-common.h block_q2_K, block_q3_K),
+    a scale per 16 values: Q3_K symmetric (w = d s (q - 4), s 6 bits stored + 32, the third
+    bit of q in hmask), Q2_K with a min (w = d s q - dmin n, s and n 4 bits)."""
+    sub = sb.reshape(*sb.shape[:-1], 16, 16)
+    if qtype == GGMLQuantizationType.Q3_K:
+        scale = np.abs(sub).max(-1) / 4
+        d, d_bytes = _half(scale.max(-1) / 31)
+        sc = np.clip(np.rint(scale / np.where(d == 0, 1.0, d)[..., None]), -32, 31).astype(np.int8)
+        eff = d[..., None] * sc
+        codes = _codes(sub, eff[..., None], 4 * eff[..., None], 7).reshape(sb.shape)  # q + 4
+        hmask = sum(((codes[..., 32 * b:32 * b + 32] >> 2) & 1) << b for b in range(8)).astype(np.uint8)
+        s6 = (sc.astype(np.int16) + 32).astype(np.uint8)
+        scales = np.concatenate([(s6[..., :8] & 15) | ((s6[..., 8:] & 15) << 4),
+                                 sum(((s6[..., 4 * q:4 * q + 4] >> 4) & 3) << (2 * q) for q in range(4)).astype(np.uint8)],
+                                axis=-1)
+        return np.concatenate([hmask, _crumbs(codes), scales, d_bytes], axis=-1)
+    low = np.minimum(sub.min(-1), 0)
+    scale, lift = (sub.max(-1) - low) / 3, -low
+    d, d_bytes = _half(scale.max(-1) / 15)
+    dmin, dmin_bytes = _half(lift.max(-1) / 15)
+    sc = np.clip(np.rint(scale / np.where(d == 0, 1.0, d)[..., None]), 0, 15).astype(np.uint8)
+    mn = np.clip(np.rint(lift / np.where(dmin == 0, 1.0, dmin)[..., None]), 0, 15).astype(np.uint8)
+    codes = _codes(sub, (d[..., None] * sc)[..., None], (dmin[..., None] * mn)[..., None], 3).reshape(sb.shape)
+    return np.concatenate([sc | (mn << 4), _crumbs(codes), d_bytes, dmin_bytes], axis=-1)
+
+
 def quantize_k(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    """fp32 [..., K] (K a multiple of 256) -> Q4_K, Q5_K or Q6_K super-blocks, uint8
+    """fp32 [..., K] (K a multiple of 256) -> Q2_K, Q3_K, Q4_K, Q5_K or Q6_K super-blocks, uint8
     [..., K / 256 * block bytes], in llama.cpp's layout (ggml-common.h block_q4_K ...).
 
-    Each block of 32 (Q6_K: 16) values gets the scale that spans it (and, for Q4_K/Q5_K,
-    the min that lifts its lowest value to 0), stored in 6 (8) bits against the
-    super-block's fp16 d (and dmin); codes round to nearest. llama.cpp also searches for
+    Each block of 32 (Q2_K, Q3_K, Q6_K: 16) values gets the scale that spans it (and, for
+    Q2_K/Q4_K/Q5_K, the min that lifts its lowest value to 0), stored in 4, 6 or 8 bits against
+    the super-block's fp16 d (and dmin); codes round to nearest. llama.cpp also searches for
     scales of lower error (make_qkx2_quants); these are valid files of slightly more error."""
     sb = x.astype(np.float32).reshape(*x.shape[:-1], -1, 256)
+    if qtype in (GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K):
+        return _quantize_low_k(sb, qtype).reshape(*x.shape[:-1], -1)
     if qtype == GGMLQuantizationType.Q6_K:
         sub = sb.reshape(*sb.shape[:-1], 16, 16)
         scale = np.abs(sub).max(-1) / 31
@@ -86,7 +122,7 @@ def quantize_k(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
                               sc.view(np.uint8), d_bytes], axis=-1)
         return out.reshape(*x.shape[:-1], -1)
     if qtype not in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
-        raise ValueError(f"quantize_k writes Q4_K, Q5_K and Q6_K, not {qtype.name}")
+        raise ValueError(f"quantize_k writes Q2_K, Q3_K, Q4_K, Q5_K and Q6_K, not {qtype.name}")
     top = 15 if qtype == GGMLQuantizationType.Q4_K else 31
     sub = sb.reshape(*sb.shape[:-1], 8, 32)
     low = np.minimum(sub.min(-1), 0)
@@ -107,7 +143,7 @@ def quantize_k(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     return out.reshape(*x.shape[:-1], -1)
 
 
-_K_QUANTS = {GGMLQuantizationType[n] for n in ("Q4_K", "Q5_K", "Q6_K")}
+_K_QUANTS = {GGMLQuantizationType[n] for n in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
 
 
 def quantize_as(values: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
@@ -119,7 +155,7 @@ def quantize_as(values: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     if qtype not in _GGUF_QUANTISED:
         raise ValueError(f"cannot write {qtype.name}: the gguf package quantises only "
                          + ", ".join(sorted(t.name for t in _GGUF_QUANTISED)) + " and this module IQ4_NL, "
-                         "Q4_K, Q5_K and Q6_K")
+                         "Q2_K, Q3_K, Q4_K, Q5_K and Q6_K")
     return quantize(values, qtype)
 
 

@@ -1,5 +1,6 @@
 """Weight-only quantisation in llama.cpp's block formats, and the linear and embedding
-modules that run on a GGUF file's blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
+modules that run on a GGUF file's blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K,
+Q6_K)
 or on 16-bit float weights as stored (F16, BF16: a GGUF's tensors or a safetensors folder's).
 
 A block is 32 consecutive input values of one output row, stored exactly as a GGUF
@@ -34,7 +35,7 @@ from .config import QTYPES
 BLOCK = 32
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # the types quantize_blocks writes
 # GGML types the native ops (fp32 and int8 activations alike) read on their own blocks.
-NATIVE_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
+NATIVE_TYPES = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14})
 # 16-bit float weights as stored (GGML F16, BF16), which the fp32 op alone reads: half of
 # fp32's bytes, the same numbers.
 F16, BF16 = 1, 30

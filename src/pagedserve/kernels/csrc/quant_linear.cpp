@@ -1,5 +1,5 @@
-// y = x W^T + b with W in llama.cpp's blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
-// Q6_K: quant_linear.h's packed tiles), x fp32 quantised to int8 per 32 values.
+// y = x W^T + b with W in llama.cpp's blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K,
+// Q5_K, Q6_K: quant_linear.h's packed tiles), x fp32 quantised to int8 per 32 values.
 //
 // Why: a decode step reads every weight once per step; fp32 weights make batch-1 decode
 // memory-bound at ~540 MB a token on this model, Q8_0 cuts that ~3.8x and Q4_1 ~6.4x,
@@ -89,6 +89,10 @@ void quantize_row(const float* x, int64_t nb, int8_t* q, float* scale, float* sc
   }
 }
 
+// Q2_K's min term per 16 values: activation scale x the half's integer sum, as both paths
+// compute it.
+inline float half_scaled_sum(float scale, int32_t half_sum) { return scale * static_cast<float>(half_sum); }
+
 // Where block b's tile and its super-block's header are, from a tile group's start.
 template <int64_t kType>
 inline const uint8_t* block_tile(const uint8_t* group, int64_t b, const uint8_t*& hdr) {
@@ -104,14 +108,14 @@ namespace avx2 {
 #include "tile_formats.inc"
 }  // namespace avx2
 
-// MR rows x the 8 columns of one tile group, over all K/32 blocks. Per block (Q6_K: per 16
-// values) the integer dot of codes and int8 activations lands as 8 int32 lanes, then
-// acc += dot * (d * activation scale) + m * (activation scale * sum of the activations);
-// Q6_K's m = -32 d is taken as 32 * the integer activation sum off the dot.
+// MR rows x the 8 columns of one tile group, over all K/32 blocks. Per block (Q2_K, Q3_K,
+// Q6_K: per 16 values) the integer dot of codes and int8 activations lands as 8 int32 lanes,
+// then acc += dot * (d * activation scale) + m * (activation scale * sum of the activations);
+// Q6_K's m = -32 d (Q3_K's -4 d) is taken as 32 (4) * the integer activation sum off the dot.
 template <int MR, int64_t kType>
 void tile_dot(const uint8_t* tiles, int64_t nb, const int8_t* qa, int64_t k, const float* da, const float* sa,
               const int32_t* hs, float* out, int64_t ldo, int64_t ncols, const float* bias) {
-  constexpr bool kQ8 = kType == kQ8_0, kSym = kType == kQ6_K;
+  constexpr bool kQ8 = kType == kQ8_0, kSym = sym_offset(kType) != 0, kHalves = per_half(kType);
   constexpr int kHi = hi_bits(kType);
   using Nibbles = avx2::NibbleFormat<V8, kType>;
   const __m256i ones = _mm256_set1_epi16(1);
@@ -138,7 +142,8 @@ void tile_dot(const uint8_t* tiles, int64_t nb, const int8_t* qa, int64_t k, con
       continue;
     }
     // maddubs of codes (<= 63) by int8 (|a| <= 127): a pair sums to <= 16,002, two pairs
-    // (one vector) to <= 32,004: int16 holds one vector; 4-bit codes hold all four (30,480).
+    // (one vector) to <= 32,004: int16 holds one vector; codes of 4 bits or fewer hold all
+    // four (30,480).
     __m256i i16[MR];
     for (int r = 0; r < MR; ++r) i16[r] = _mm256_setzero_si256();
     __m256 d, m;
@@ -161,14 +166,16 @@ void tile_dot(const uint8_t* tiles, int64_t nb, const int8_t* qa, int64_t k, con
       for (int r = 0; r < MR; ++r) {
         if constexpr (kHi == 0) isum[r] = _mm256_madd_epi16(i16[r], ones);
         const __m256 dar = _mm256_set1_ps(da[r * nb + b]);
+        const int32_t half_sum = hs[r * 2 * nb + 2 * b + half];
         if constexpr (kSym) {
-          const __m256i dot = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(32 * hs[r * 2 * nb + 2 * b + half]));
+          const __m256i dot = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(sym_offset(kType) * half_sum));
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, dar), acc[r]);
-          isum[r] = _mm256_setzero_si256();
         } else {
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, dar), acc[r]);
-          acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sa[r * nb + b]), acc[r]);
+          acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(kHalves ? half_scaled_sum(da[r * nb + b], half_sum) : sa[r * nb + b]),
+                                   acc[r]);
         }
+        if constexpr (kHalves) isum[r] = i16[r] = _mm256_setzero_si256();
       }
     };
     const auto load_scales = [&](int half) {
@@ -221,7 +228,7 @@ namespace avx512 {
 template <int MR, int64_t kType>
 void quad_dot_vnni(const uint8_t* tiles, int64_t stride, int64_t nb, const int8_t* qa, int64_t k, const float* da,
                    const float* sa, const int32_t* hs, float* out, int64_t ldo, const float* bias) {
-  constexpr bool kQ8 = kType == kQ8_0, kSym = kType == kQ6_K;
+  constexpr bool kQ8 = kType == kQ8_0, kSym = sym_offset(kType) != 0, kHalves = per_half(kType);
   constexpr int64_t kTile = packed_layout(kType).tile;
   using Nibbles = avx512::NibbleFormat<V16, kType>;
   const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -282,18 +289,19 @@ void quad_dot_vnni(const uint8_t* tiles, int64_t stride, int64_t nb, const int8_
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const __m512 dar = _mm512_set1_ps(da[r * nb + b]);
+        const int32_t half_sum = hs[r * 2 * nb + 2 * b + half];
         if constexpr (kSym) {
-          const __m512i off32 = _mm512_set1_epi32(32 * hs[r * 2 * nb + 2 * b + half]);
-          acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][0], off32)), _mm512_mul_ps(d0, dar), acc[r][0]);
-          acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][1], off32)), _mm512_mul_ps(d1, dar), acc[r][1]);
-          isum[r][0] = isum[r][1] = _mm512_setzero_si512();
+          const __m512i off = _mm512_set1_epi32(sym_offset(kType) * half_sum);
+          acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][0], off)), _mm512_mul_ps(d0, dar), acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][1], off)), _mm512_mul_ps(d1, dar), acc[r][1]);
         } else {
           acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][0]), _mm512_mul_ps(d0, dar), acc[r][0]);
           acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][1]), _mm512_mul_ps(d1, dar), acc[r][1]);
-          const __m512 sar = _mm512_set1_ps(sa[r * nb + b]);
+          const __m512 sar = _mm512_set1_ps(kHalves ? half_scaled_sum(da[r * nb + b], half_sum) : sa[r * nb + b]);
           acc[r][0] = _mm512_fmadd_ps(m0, sar, acc[r][0]);
           acc[r][1] = _mm512_fmadd_ps(m1, sar, acc[r][1]);
         }
+        if constexpr (kHalves) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
       }
     };
     const auto load_scales = [&](int half) {
@@ -421,6 +429,8 @@ void quant_tiles(int64_t qtype, int64_t g0, int64_t g1, int64_t m, const uint8_t
     case kQ4_1: PAGEDSERVE_RUN(kQ4_1); break;
     case kQ5_0:
     case kQ5_1: PAGEDSERVE_RUN(kQ5_1); break;
+    case kQ2_K: PAGEDSERVE_RUN(kQ2_K); break;
+    case kQ3_K: PAGEDSERVE_RUN(kQ3_K); break;
     case kQ4_K: PAGEDSERVE_RUN(kQ4_K); break;
     case kQ5_K: PAGEDSERVE_RUN(kQ5_K); break;
     case kQ6_K: PAGEDSERVE_RUN(kQ6_K); break;

@@ -6,6 +6,9 @@
 //   Q4_K (12), Q5_K (13): super-blocks of 256 = 8 blocks of 32, fp16 d and dmin, a 6-bit
 //     scale s and min n per block: w = (d * s) * q - (dmin * n), q of 4 or 5 bits
 //   Q6_K (14): super-blocks of 256, fp16 d, an int8 scale per 16 values: w = (d * s) * (q - 32)
+//   Q3_K (11): as Q6_K with 3-bit q and a 6-bit scale s (stored s + 32): w = (d * s) * (q - 4)
+//   Q2_K (10): super-blocks of 256, fp16 d and dmin, a 4-bit scale s and min n per 16
+//     values: w = (d * s) * q - (dmin * n), q of 2 bits
 //   F16 (1), BF16 (30): the weights as stored, 2 bytes each, no scale (a "block" is 32 of them)
 // A block covers 32 consecutive input values of one output row; in a 4-bit block byte j
 // holds value j in its low nibble and value j + 16 in its high nibble.
@@ -22,7 +25,8 @@ constexpr int64_t kBlock = 32;    // input values per block
 constexpr int64_t kTileCols = 8;  // output columns interleaved in a packed tile (one ymm of fp32 results)
 
 enum QType : int64_t {
-  kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30
+  kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13,
+  kQ6_K = 14, kBF16 = 30
 };
 
 // How quant_repack lays out a type's weights for 8 output columns: per super-block (256
@@ -37,6 +41,12 @@ enum QType : int64_t {
 //   Q6_K:       header [8 fp16 d]; tile [8 int8 s of values 0-15][8 of 16-31][nibbles as Q4]
 //               [2 x 32: bits 4-5 of value 8v+t at bits 4(v%2), of 8v+4+t at 4(v%2)+2, in byte t
 //               of lane j of vector v/2]
+//   Q3_K:       header [8 fp16 d]; tile [8 int8 s of values 0-15][8 of 16-31][2 x 32 of 2-bit
+//               codes: value 8v+t at bits 4(v%2), 8v+4+t at 4(v%2)+2 of byte t of lane j of
+//               vector v/2][32: the third bit, placed as Q5's fifth]
+//   Q2_K:       header [8 fp16 d][8 fp16 dmin]; tile [8 u8 s | n << 4 of values 0-15][8 of
+//               16-31][2-bit codes as Q3_K]
+// (so each packs into the bytes of its file, +3.6% for Q3_K: no type grows past its bits)
 //   F16, BF16:  tile [32 x 16: row k holds value k of the 8 columns, 2 bytes each]
 // (F16 and BF16 values widen to fp32 exactly, so their weights too are the fp32 numbers the
 // file defines; nothing multiplies them.)
@@ -60,17 +70,24 @@ constexpr PackedLayout packed_layout(int64_t qtype) {
     case kQ4_K: return {8, 32, 16 + 128, 144};
     case kQ5_K: return {8, 32, 16 + 128 + 32, 176};
     case kQ6_K: return {8, 16, 16 + 128 + 64, 210};
+    case kQ3_K: return {8, 16, 16 + 64 + 32, 110};
+    case kQ2_K: return {8, 32, 16 + 64, 84};
     case kF16:
     case kBF16: return {1, 0, 32 * 16, 64};
     default: return {0, 0, 0, 0};
   }
 }
 
-// Bits of a nibble-format code above its nibble (planes after the nibbles), and the bytes
-// of a tile's scales before the nibbles.
+// Bits per code in the packed vectors (4: nibbles; 2: Q2_K/Q3_K's crumbs), bits of a code
+// above those (planes after them), and the bytes of a tile's scales before them.
+constexpr int code_bits(int64_t qtype) { return qtype == kQ2_K || qtype == kQ3_K ? 2 : 4; }
 constexpr int hi_bits(int64_t qtype) {
-  return qtype == kQ6_K ? 2 : (qtype == kQ5_0 || qtype == kQ5_1 || qtype == kQ5_K) ? 1 : 0;
+  return qtype == kQ6_K ? 2 : (qtype == kQ5_0 || qtype == kQ5_1 || qtype == kQ5_K || qtype == kQ3_K) ? 1 : 0;
 }
+// The types scaled per 16 values (two halves of each block of 32), and of those the
+// symmetric ones' code offset (w = d * (q - offset)), 0 for the others.
+constexpr bool per_half(int64_t qtype) { return qtype == kQ2_K || qtype == kQ3_K || qtype == kQ6_K; }
+constexpr int sym_offset(int64_t qtype) { return qtype == kQ6_K ? 32 : qtype == kQ3_K ? 4 : 0; }
 constexpr int64_t scale_bytes(int64_t qtype) { return packed_layout(qtype).blocks == 1 ? 32 : 16; }
 
 // Weights stored as 16-bit floats: read by the fp32 op only (there is no int8 form of them).

@@ -46,31 +46,40 @@ inline uint16_t scaled_half(uint16_t h, float scale) {
   return _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
 }
 
-// One column's 32 codes (0..63) into a nibble-family tile at `tile` (after its scale bytes
-// `scale_bytes`), with `hi_bits` (0, 1 or 2) bits above the nibble in planes after it.
-void put_codes(uint8_t* tile, int64_t scale_bytes, int hi_bits, int j, const uint8_t (&q)[kBlock]) {
-  uint8_t* nib = tile + scale_bytes;
-  for (int v = 0; v < 4; ++v)
-    for (int t = 0; t < 4; ++t) nib[32 * v + 4 * j + t] = (q[8 * v + t] & 0x0F) | ((q[8 * v + 4 + t] & 0x0F) << 4);
-  // Bits above the nibble, byte-aligned with the nibbles so that the int8 op builds code
-  // bytes with a shift and a mask: plane byte t of lane j holds, for value 8v + t and
-  // 8v + 4 + t, bit 4 at bits 2v and 2v + 1 (one plane); bits 4-5 at bits 4(v % 2) and
-  // 4(v % 2) + 2 of plane v / 2 (two planes).
-  uint8_t* hi = nib + 128;
+// One column's 32 codes (0..63) into a tile at `tile` (after its scale bytes `scale_bytes`):
+// nibbles, or crumbs (`bits` 2: two groups of 8 values to a vector), with `hi_bits` (0, 1 or
+// 2) bits above them in planes after them.
+void put_codes(uint8_t* tile, int64_t scale_bytes, int bits, int hi_bits, int j, const uint8_t (&q)[kBlock]) {
+  uint8_t* codes = tile + scale_bytes;
+  const int per = 8 / (2 * bits), mask = (1 << bits) - 1;  // groups per vector
+  for (int vec = 0; vec < 4 / per; ++vec)
+    for (int t = 0; t < 4; ++t) {
+      int byte = 0;
+      for (int u = 0; u < per; ++u) {
+        const int v = per * vec + u, at = 2 * bits * u;
+        byte |= ((q[8 * v + t] & mask) << at) | ((q[8 * v + 4 + t] & mask) << (at + bits));
+      }
+      codes[32 * vec + 4 * j + t] = static_cast<uint8_t>(byte);
+    }
+  // Bits above the codes, byte-aligned with them so that the int8 op builds code bytes
+  // with a shift and a mask: plane byte t of lane j holds, for value 8v + t and 8v + 4 + t,
+  // the next bit at bits 2v and 2v + 1 (one plane); bits 4-5 at bits 4(v % 2) and
+  // 4(v % 2) + 2 of plane v / 2 (two planes, nibbles only).
+  uint8_t* hi = codes + 32 * bits;
   for (int t = 0; t < 4; ++t) {
     if (hi_bits == 1) {
-      uint8_t bits = 0;
+      uint8_t plane = 0;
       for (int v = 0; v < 4; ++v)
-        bits |= (((q[8 * v + t] >> 4) & 1) << (2 * v)) | (((q[8 * v + 4 + t] >> 4) & 1) << (2 * v + 1));
-      hi[4 * j + t] = bits;
+        plane |= (((q[8 * v + t] >> bits) & 1) << (2 * v)) | (((q[8 * v + 4 + t] >> bits) & 1) << (2 * v + 1));
+      hi[4 * j + t] = plane;
     } else if (hi_bits == 2) {
       for (int h = 0; h < 2; ++h) {
-        uint8_t bits = 0;
+        uint8_t plane = 0;
         for (int u = 0; u < 2; ++u) {
           const int v = 2 * h + u;
-          bits |= (((q[8 * v + t] >> 4) & 3) << (4 * u)) | (((q[8 * v + 4 + t] >> 4) & 3) << (4 * u + 2));
+          plane |= (((q[8 * v + t] >> 4) & 3) << (4 * u)) | (((q[8 * v + 4 + t] >> 4) & 3) << (4 * u + 2));
         }
-        hi[32 * h + 4 * j + t] = bits;
+        hi[32 * h + 4 * j + t] = plane;
       }
     }
   }
@@ -110,7 +119,7 @@ void pack_column(int64_t qtype, const uint8_t* src, uint8_t* dst, int j) {
         q[i] = qs[i] & 0x0F;
         q[i + 16] = qs[i] >> 4;
       }
-      return put_codes(dst, 32, 0, j, q);
+      return put_codes(dst, 32, 4, 0, j, q);
     }
     case kQ5_0:
     case kQ5_1: {
@@ -124,7 +133,7 @@ void pack_column(int64_t qtype, const uint8_t* src, uint8_t* dst, int j) {
         q[i] = (qs[i] & 0x0F) | (((qh >> i) & 1) << 4);
         q[i + 16] = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
       }
-      return put_codes(dst, 32, 1, j, q);
+      return put_codes(dst, 32, 4, 1, j, q);
     }
     case kQ4_K:
     case kQ5_K: {
@@ -142,7 +151,7 @@ void pack_column(int64_t qtype, const uint8_t* src, uint8_t* dst, int j) {
           q[l] = (s % 2 ? bytes[l] >> 4 : bytes[l] & 0x0F);
           if (five) q[l] |= ((qh[l] >> s) & 1) << 4;
         }
-        put_codes(tile, 16, five ? 1 : 0, j, q);
+        put_codes(tile, 16, 4, five ? 1 : 0, j, q);
       }
       return;
     }
@@ -161,7 +170,42 @@ void pack_column(int64_t qtype, const uint8_t* src, uint8_t* dst, int j) {
           const uint8_t low = ql[64 * n + l + 32 * (k % 2)];
           q[l] = (k < 2 ? low & 0x0F : low >> 4) | (((qh[32 * n + l] >> (2 * k)) & 3) << 4);
         }
-        put_codes(tile, 16, 2, j, q);
+        put_codes(tile, 16, 4, 2, j, q);
+      }
+      return;
+    }
+    case kQ3_K: {
+      // Value y = 128n + 32k + l: bits 2k, 2k + 1 of qs[32n + l], and bit 4n + k of hmask[l]
+      // (set: no offset; the tile's code is q + 4 with m = -4 d); 16 scales of 6 bits, low
+      // nibbles in bytes 0-7, top bits in 8-11 (ggml's dequantize_row_q3_K).
+      const uint8_t *hmask = src, *qs = src + 32, *sc = src + 96;
+      std::memcpy(dst + 2 * j, src + 108, 2);
+      for (int s = 0; s < 8; ++s) {
+        const int n = s / 4, k = s % 4;
+        uint8_t* tile = dst + L.header + s * L.tile;
+        for (int h = 0; h < 2; ++h) {
+          const int i = 2 * s + h;
+          const int scale = ((i < 8 ? sc[i] & 0x0F : sc[i - 8] >> 4) | (((sc[8 + i % 4] >> (2 * (i / 4))) & 3) << 4));
+          tile[8 * h + j] = static_cast<uint8_t>(scale - 32);
+        }
+        for (int l = 0; l < 32; ++l) q[l] = ((qs[32 * n + l] >> (2 * k)) & 3) | (((hmask[l] >> s) & 1) << 2);
+        put_codes(tile, 16, 2, 1, j, q);
+      }
+      return;
+    }
+    case kQ2_K: {
+      // Value y = 128n + 32k + l: bits 2k, 2k + 1 of qs[32n + l]; byte y / 16 of the scales
+      // holds its 4-bit scale and, above it, its min (ggml's dequantize_row_q2_K).
+      const uint8_t* qs = src + 16;
+      std::memcpy(dst + 2 * j, src + 80, 2);
+      std::memcpy(dst + 16 + 2 * j, src + 82, 2);
+      for (int s = 0; s < 8; ++s) {
+        const int n = s / 4, k = s % 4;
+        uint8_t* tile = dst + L.header + s * L.tile;
+        tile[j] = src[2 * s];
+        tile[8 + j] = src[2 * s + 1];
+        for (int l = 0; l < 32; ++l) q[l] = (qs[32 * n + l] >> (2 * k)) & 3;
+        put_codes(tile, 16, 2, 0, j, q);
       }
       return;
     }
@@ -173,7 +217,7 @@ void pack_column(int64_t qtype, const uint8_t* src, uint8_t* dst, int j) {
 at::Tensor quant_repack(const at::Tensor& blocks, int64_t qtype) {
   const PackedLayout L = packed_layout(qtype);
   TORCH_CHECK(L.blocks != 0, "quant_repack: qtype must be a GGML type id of F16 (1), Q4_0 (2), Q4_1 (3), Q5_0 (6), "
-              "Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14) or BF16 (30), got ", qtype);
+              "Q5_1 (7), Q8_0 (8), Q2_K (10), Q3_K (11), Q4_K (12), Q5_K (13), Q6_K (14) or BF16 (30), got ", qtype);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
               "quant_repack: blocks must be a contiguous uint8 [rows, row bytes] tensor");
   TORCH_CHECK(blocks.size(1) % L.gguf_bytes == 0, "quant_repack: row bytes ", blocks.size(1), " not a multiple of ",
@@ -209,22 +253,25 @@ void unpack_lane(int64_t qtype, const uint8_t* hdr, const uint8_t* tile, int j, 
     return;
   }
   const PackedLayout L = packed_layout(qtype);
-  const int hi = hi_bits(qtype);
-  const uint8_t* nib = tile + scale_bytes(qtype);
+  const int bits = code_bits(qtype), hi = hi_bits(qtype);
+  const uint8_t* codes = tile + scale_bytes(qtype);
   for (int i = 0; i < 32; ++i) {
-    const int v = i / 8, t = i % 8;
-    const uint8_t byte = nib[32 * v + 4 * j + t % 4];
-    uint32_t q = t < 4 ? byte & 0x0F : byte >> 4;
-    const int high = t >= 4;
-    if (hi == 1) q |= ((nib[128 + 4 * j + t % 4] >> (2 * v + high)) & 1) << 4;
-    if (hi == 2) q |= ((nib[128 + 32 * (v / 2) + 4 * j + t % 4] >> (4 * (v % 2) + 2 * high)) & 3) << 4;
+    const int v = i / 8, t = i % 8, high = t >= 4;
+    const int vec = bits == 2 ? v / 2 : v, at = (bits == 2 ? 4 * (v % 2) : 0) + bits * high;
+    uint32_t q = (codes[32 * vec + 4 * j + t % 4] >> at) & ((1 << bits) - 1);
+    if (hi == 1) q |= ((codes[32 * bits + 4 * j + t % 4] >> (2 * v + high)) & 1) << bits;
+    if (hi == 2) q |= ((codes[128 + 32 * (v / 2) + 4 * j + t % 4] >> (4 * (v % 2) + 2 * high)) & 3) << 4;
+    const uint8_t half_scale = tile[8 * (i / 16) + j];
     float d, m;
     if (L.blocks == 1) {
       d = _cvtsh_ss(load_u16(tile + 2 * j));
       m = _cvtsh_ss(load_u16(tile + 16 + 2 * j));
-    } else if (qtype == kQ6_K) {
-      d = _cvtsh_ss(load_u16(hdr + 2 * j)) * static_cast<float>(static_cast<int8_t>(tile[8 * (i / 16) + j]));
-      m = d * -32.0f;
+    } else if (sym_offset(qtype) != 0) {
+      d = _cvtsh_ss(load_u16(hdr + 2 * j)) * static_cast<float>(static_cast<int8_t>(half_scale));
+      m = d * -static_cast<float>(sym_offset(qtype));
+    } else if (qtype == kQ2_K) {
+      d = _cvtsh_ss(load_u16(hdr + 2 * j)) * static_cast<float>(half_scale & 0x0F);
+      m = -(_cvtsh_ss(load_u16(hdr + 16 + 2 * j)) * static_cast<float>(half_scale >> 4));
     } else {
       d = _cvtsh_ss(load_u16(hdr + 2 * j)) * static_cast<float>(tile[j]);
       m = -(_cvtsh_ss(load_u16(hdr + 16 + 2 * j)) * static_cast<float>(tile[8 + j]));

@@ -27,9 +27,10 @@ struct V8 {
     return _mm256_castsi256_ps(
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
   }
-  static F u8(const uint8_t* p, int64_t) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  static I u8i(const uint8_t* p, int64_t) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   }
+  static F u8(const uint8_t* p, int64_t s) { return _mm256_cvtepi32_ps(u8i(p, s)); }
   static F i8(const uint8_t* p, int64_t) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
@@ -91,7 +92,8 @@ struct V16 {
     return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)),
                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + s)));
   }
-  static F u8(const uint8_t* p, int64_t s) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(p, s))); }
+  static I u8i(const uint8_t* p, int64_t s) { return _mm512_cvtepu8_epi32(bytes(p, s)); }
+  static F u8(const uint8_t* p, int64_t s) { return _mm512_cvtepi32_ps(u8i(p, s)); }
   static F i8(const uint8_t* p, int64_t s) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(p, s))); }
   template <int S> static I srli(I a) { return _mm512_srli_epi32(a, S); }
   template <int S> static I slli(I a) { return _mm512_slli_epi32(a, S); }
