@@ -1,5 +1,5 @@
 """The fp32 linear op on GGUF blocks (kernels/csrc/dequant_linear.cpp): the fp32 model a
-GGUF's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K ... Q6_K matrices define, computed from
+GGUF's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K ... Q6_K / IQ4_NL / IQ4_XS matrices define, computed from
 the blocks, and likewise on F16 / BF16 weights as stored (each widens to fp32 exactly).
 
 Its arithmetic is defined exactly: each output is fma(x[k], w[k], acc) for k = 0 .. K-1 from
@@ -20,18 +20,18 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf.quants import quantize
 
 from kernel_paths import outputs_on_every_path
 from pagedserve.kernels import resolve_kernels
-from pagedserve.model.gguf_rewrite import quantize_k
+from pagedserve.model.gguf_rewrite import quantize_as
 from pagedserve.model.quant import (BF16, QTYPES, QuantEmbedding, QuantLinear, dequantize_blocks, half_blocks,
                                     quantize_blocks)
 
 resolve_kernels("native")  # loads the op library; a broken build fails here rather than skipping
 
-BLOCK_TYPES = ["q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "f16", "bf16"]
-K_QUANTS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+BLOCK_TYPES = ["q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs",
+               "f16", "bf16"]
+SUPER_BLOCKS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")  # rows of whole 256-value super-blocks
 
 
 def blocks_of(name: str, w: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -39,13 +39,13 @@ def blocks_of(name: str, w: torch.Tensor) -> tuple[torch.Tensor, int]:
     qtype = int(T[name.upper()])
     if name in QTYPES:
         return quantize_blocks(w, qtype), qtype
-    raw = quantize_k(w.numpy(), T(qtype)) if name in K_QUANTS else quantize(w.numpy(), T(qtype))
+    raw = quantize_as(w.numpy(), T(qtype))
     return torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8)), qtype  # F16 comes as float16
 
 
 def width(name: str, k: int) -> int:
     """k, or the next whole number of K-quant super-blocks."""
-    return -(-k // 256) * 256 if name in K_QUANTS else k
+    return -(-k // 256) * 256 if name in SUPER_BLOCKS else k
 
 
 def weights(n: int, k: int, seed: int) -> torch.Tensor:
@@ -144,7 +144,7 @@ def test_op_rejects_mismatched_arguments() -> None:
     with pytest.raises(RuntimeError, match="quant_repack: row bytes"):
         torch.ops.pagedserve.quant_repack(layer.packed.new_zeros(16, 100), int(T.Q4_K))
     with pytest.raises(RuntimeError, match="quant_repack: qtype"):
-        torch.ops.pagedserve.quant_repack(layer.packed.new_zeros(16, 100), int(T.IQ4_NL))
+        torch.ops.pagedserve.quant_repack(layer.packed.new_zeros(16, 100), int(T.IQ2_XS))  # no kernel
 
 
 def test_half_weights_have_only_the_fp32_form_and_whole_blocks() -> None:

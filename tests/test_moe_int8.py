@@ -25,10 +25,10 @@ from pagedserve.model.quant import NATIVE_TYPES
 resolve_kernels("native")  # a broken build fails these tests rather than skipping them
 
 E, TOP_K = 6, 2
-# K-quant rows are whole 256-value super-blocks; the others take smaller, uneven shapes
-# (gate/up 5 whole 4-tile groups, down 3).
+# K-quant (and IQ4_XS) rows are whole 256-value super-blocks; the others take smaller, uneven
+# shapes (gate/up 5 whole 4-tile groups, down 3).
 SHAPES = {True: (256, 256), False: (96, 160)}  # (hidden, expert size) by "some matrix is a K-quant"
-K_QUANTS = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
+K_QUANTS = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS}
 
 
 def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

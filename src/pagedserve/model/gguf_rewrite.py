@@ -4,9 +4,9 @@ types users download (Q5_0 rows beside K-quants, IQ4_NL, ...) made here, never f
 `rewrite_gguf(src, dst, choose)` copies every metadata entry and, tensor by tensor, asks
 `choose(name, shape, qtype)` for the type to store; the weights are dequantised to fp32
 and quantised again. Legacy types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and BF16/F16/F32 use the
-`gguf` package's reference quantisers; IQ4_NL and the K-quants (Q2_K to Q6_K) this module's
-(`quantize_iq4_nl`, `quantize_k`: `gguf` 0.19 only dequantises those), checked against
-`gguf`'s dequantiser in tests/test_gguf_types.py.
+`gguf` package's reference quantisers; IQ4_NL, IQ4_XS and the K-quants (Q2_K to Q6_K) this
+module's (`quantize_iq4_nl`, `quantize_iq4_xs`, `quantize_k`: `gguf` 0.19 only dequantises
+those), checked against `gguf`'s dequantiser in tests/test_gguf_types.py.
 
     python -m pagedserve.model.gguf_rewrite SRC.gguf DST.gguf --type q5_0
 
@@ -33,20 +33,45 @@ IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 3
 _GGUF_QUANTISED = {GGMLQuantizationType[n] for n in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")}
 
 
-def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
-    """fp32 [..., K] -> IQ4_NL blocks uint8 [..., K / 32 * 18]: per 32 values an fp16 scale d
-    and 16 bytes of code-book indices (value j low nibble, value j + 16 high), each value
-    the nearest d * IQ4_NL_VALUES[i]. The scale maps the block's largest magnitude onto the
-    book's end of the same sign (llama.cpp then searches nearby scales; one is enough for
-    valid test files)."""
-    blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
+def _book_scale(blocks: np.ndarray) -> np.ndarray:
+    """The scale mapping each block's largest magnitude onto the book's end of the same sign
+    (>= 0; llama.cpp then searches nearby scales, one is enough for valid test files)."""
     idx = np.abs(blocks).argmax(-1)[..., None]
     extreme = np.take_along_axis(blocks, idx, -1)[..., 0]
-    d = np.where(extreme < 0, extreme / -127.0, extreme / 113.0).astype(np.float16)
-    scaled = blocks / np.where(d == 0, 1.0, d.astype(np.float32))[..., None]
+    return np.where(extreme < 0, extreme / -127.0, extreme / 113.0)
+
+
+def _book_nibbles(blocks: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Blocks [..., 32] on per-block scales d -> 16 bytes of nearest-book-value indices each
+    (value j low nibble, value j + 16 high)."""
+    scaled = blocks / np.where(d == 0, 1.0, d)[..., None]
     codes = np.abs(scaled[..., None] - IQ4_NL_VALUES.astype(np.float32)).argmin(-1).astype(np.uint8)
-    packed = codes[..., :16] | (codes[..., 16:] << 4)
-    out = np.concatenate([d[..., None].view(np.uint8), packed], axis=-1)
+    return codes[..., :16] | (codes[..., 16:] << 4)
+
+
+def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
+    """fp32 [..., K] -> IQ4_NL blocks uint8 [..., K / 32 * 18]: per 32 values an fp16 scale d
+    and 16 bytes of code-book indices, each value the nearest d * IQ4_NL_VALUES[i]."""
+    blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
+    d = _book_scale(blocks).astype(np.float16)
+    out = np.concatenate([d[..., None].view(np.uint8), _book_nibbles(blocks, d.astype(np.float32))], axis=-1)
+    return out.reshape(*x.shape[:-1], -1)
+
+
+def quantize_iq4_xs(x: np.ndarray) -> np.ndarray:
+    """fp32 [..., K] (K a multiple of 256) -> IQ4_XS super-blocks uint8 [..., K / 256 * 136]
+    (ggml-common.h block_iq4_xs): fp16 d, each block of 32's 6-bit scale s (stored s + 32:
+    low nibbles in scales_l, top bits in the 16-bit scales_h) and IQ4_NL's nibbles, value
+    d * s * IQ4_NL_VALUES[i]."""
+    blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, 8, 32)
+    want = _book_scale(blocks)
+    d, d_bytes = _half(want.max(-1) / 31)
+    s = np.clip(np.rint(want / np.where(d == 0, 1.0, d)[..., None]), -32, 31).astype(np.int64)
+    qs = _book_nibbles(blocks, d[..., None] * s).reshape(*blocks.shape[:-2], 128)
+    u = s + 32
+    scales_l = ((u[..., 0::2] & 15) | ((u[..., 1::2] & 15) << 4)).astype(np.uint8)
+    scales_h = sum(((u[..., i] >> 4) & 3) << (2 * i) for i in range(8)).astype("<u2")
+    out = np.concatenate([d_bytes, scales_h[..., None].view(np.uint8), scales_l, qs], axis=-1)
     return out.reshape(*x.shape[:-1], -1)
 
 
@@ -150,12 +175,14 @@ def quantize_as(values: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """fp32 weights -> the bytes (or values) a GGUF stores for them as `qtype`."""
     if qtype == GGMLQuantizationType.IQ4_NL:
         return quantize_iq4_nl(values)
+    if qtype == GGMLQuantizationType.IQ4_XS:
+        return quantize_iq4_xs(values)
     if qtype in _K_QUANTS:
         return quantize_k(values, qtype)
     if qtype not in _GGUF_QUANTISED:
         raise ValueError(f"cannot write {qtype.name}: the gguf package quantises only "
                          + ", ".join(sorted(t.name for t in _GGUF_QUANTISED)) + " and this module IQ4_NL, "
-                         "Q2_K, Q3_K, Q4_K, Q5_K and Q6_K")
+                         "IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K")
     return quantize(values, qtype)
 
 

@@ -1,6 +1,6 @@
 """Weight-only quantisation in llama.cpp's block formats, and the linear and embedding
 modules that run on a GGUF file's blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K,
-Q6_K)
+Q6_K, IQ4_NL, IQ4_XS)
 or on 16-bit float weights as stored (F16, BF16: a GGUF's tensors or a safetensors folder's).
 
 A block is 32 consecutive input values of one output row, stored exactly as a GGUF
@@ -35,7 +35,7 @@ from .config import QTYPES
 BLOCK = 32
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # the types quantize_blocks writes
 # GGML types the native ops (fp32 and int8 activations alike) read on their own blocks.
-NATIVE_TYPES = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14})
+NATIVE_TYPES = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23})
 # 16-bit float weights as stored (GGML F16, BF16), which the fp32 op alone reads: half of
 # fp32's bytes, the same numbers.
 F16, BF16 = 1, 30
@@ -140,24 +140,6 @@ def dequantize_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
         else:
             w = d * q + b[..., 2:4].contiguous().view(torch.float16).float()
     return w.reshape(n, -1)
-
-
-# IQ4_NL holds d * book[i] per value, book values in [-127, 113]: every block is exactly a
-# Q8_0 block (a signed 8-bit integer times the block's fp16 scale). No op reads its book;
-# widened, it runs on the Q8_0 kernels at 34 bytes a block (18 in the file) instead of
-# fp32's 128.
-IQ4_NL = 20
-_IQ4_NL_BOOK = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
-                            dtype=torch.int8)
-
-
-def widen_to_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    """IQ4_NL blocks uint8 [N, row bytes] -> the same values as Q8_0 blocks."""
-    n = blocks.shape[0]
-    b = blocks.reshape(n, -1, 18)
-    qs = b[..., 2:].to(torch.int64)
-    values = _IQ4_NL_BOOK[torch.cat([qs & 0x0F, qs >> 4], dim=-1)]
-    return torch.cat([b[..., :2], values.view(torch.uint8)], dim=-1).reshape(n, -1).contiguous()
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 
 from . import variants
-from .config import QTYPES, ModelConfig
+from .config import ModelConfig
 from .gguf_file import GGUFTensor
 from .moe_weights import GGUF_EXPERT_NAMES, expert_matrices, keep_experts_whole, stack_hf_experts
-from .quant import HALF_DTYPES, HALF_TYPES, IQ4_NL, NATIVE_TYPES, dequantize_blocks, half_blocks, widen_to_q8_0
+from .quant import HALF_DTYPES, HALF_TYPES, NATIVE_TYPES, dequantize_blocks, half_blocks
 
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -84,12 +84,11 @@ def undo_llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 def hf_tensors_from_gguf(
     tensors: list[GGUFTensor], config: ModelConfig, keep_blocks: Collection[int] = (),
-    widen: Collection[int] = (), select: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    select: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """fp32 tensors under HF names; matrices whose GGML type is in `keep_blocks` stay in
-    their blocks, uint8 [rows, row bytes] (model/quant.py), and IQ4_NL ones in `widen` become
-    Q8_0 blocks (quant.widen_to_q8_0): rows are whole blocks, so the q/k row permutation below
-    applies to them as to floats. `select(name, tensor)` keeps part of each tensor as soon
+    their blocks, uint8 [rows, row bytes] (model/quant.py): rows are whole blocks, so the q/k
+    row permutation below applies to them as to floats. `select(name, tensor)` keeps part of each tensor as soon
     as it is read (a tensor-parallel rank's shard)."""
     out: dict[str, torch.Tensor] = {}
     # Only llama-arch files are permuted by the converter (Qwen2/3 use HF's rotation already).
@@ -104,9 +103,6 @@ def hf_tensors_from_gguf(
                 and (t.qtype not in HALF_TYPES or t.shape[-1] % 32 == 0):
             # Views of the file's memory map (F16's as bytes): the model's packing copies them once.
             w = np.asarray(t.raw).view(np.uint8).reshape(*t.shape[:-1], -1)
-        elif t.qtype in widen and len(t.shape) in (2, 3):
-            rows = np.asarray(t.raw).reshape(-1, np.asarray(t.raw).shape[-1])
-            w = widen_to_q8_0(torch.from_numpy(rows)).numpy().reshape(*t.shape[:-1], -1)
         else:
             w = t.to_float32()
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -218,14 +214,12 @@ def fuse_gguf_blocks(tensors: list[GGUFTensor], config: ModelConfig
                      ) -> tuple[dict[str, Any], dict[str, int | tuple[int, ...]]]:
     """The fused state dict with every matrix that a native kernel reads kept in its GGUF
     blocks (memory-mapped views of the file; F16 / BF16 ones as their bytes), and those
-    matrices' GGML types. IQ4_NL matrices arrive widened to Q8_0 (quant.widen_to_q8_0). A
-    fused matrix of several parts (q, k, v) is a list of them with a tuple of their types,
+    matrices' GGML types. A fused matrix of several parts (q, k, v) is a list of them with a tuple of their types,
     not concatenated here: the layer packs them one at a time (no second copy of the model
     at load), and Q4_K_M stores v in Q6_K beside q and k in Q4_K. One with a part that has
     no kernel (an F32 matrix, say) is fp32."""
-    widen = {IQ4_NL}
-    types = {_hf_name_for_gguf(t.name, config.architecture): QTYPES["q8_0"] if t.qtype in widen else int(t.qtype) for t in tensors}
-    hf = hf_tensors_from_gguf(tensors, config, keep_blocks=(NATIVE_TYPES | HALF_TYPES) - widen, widen=widen)
+    types = {_hf_name_for_gguf(t.name, config.architecture): int(t.qtype) for t in tensors}
+    hf = hf_tensors_from_gguf(tensors, config, keep_blocks=NATIVE_TYPES | HALF_TYPES)
     keep_experts_whole(hf, types, config)
     return _fuse_kept(hf, types, config)
 

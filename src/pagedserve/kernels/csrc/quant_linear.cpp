@@ -1,5 +1,6 @@
 // y = x W^T + b with W in llama.cpp's blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K,
-// Q5_K, Q6_K: quant_linear.h's packed tiles), x fp32 quantised to int8 per 32 values.
+// Q5_K, Q6_K, IQ4_NL, IQ4_XS: quant_linear.h's packed tiles), x fp32 quantised to int8 per 32
+// values.
 //
 // Why: a decode step reads every weight once per step; fp32 weights make batch-1 decode
 // memory-bound at ~540 MB a token on this model, Q8_0 cuts that ~3.8x and Q4_1 ~6.4x,
@@ -115,10 +116,11 @@ namespace avx2 {
 template <int MR, int64_t kType>
 void tile_dot(const uint8_t* tiles, int64_t nb, const int8_t* qa, int64_t k, const float* da, const float* sa,
               const int32_t* hs, float* out, int64_t ldo, int64_t ncols, const float* bias) {
-  constexpr bool kQ8 = kType == kQ8_0, kSym = sym_offset(kType) != 0, kHalves = per_half(kType);
-  constexpr int kHi = hi_bits(kType);
+  constexpr bool kQ8 = kType == kQ8_0, kSym = sym_offset(kType) != 0, kHalves = per_half(kType),
+                 kBook = is_book(kType), kI16 = hi_bits(kType) == 0 && !kBook;
   using Nibbles = avx2::NibbleFormat<V8, kType>;
   const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i book = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Book)));
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -143,7 +145,8 @@ void tile_dot(const uint8_t* tiles, int64_t nb, const int8_t* qa, int64_t k, con
     }
     // maddubs of codes (<= 63) by int8 (|a| <= 127): a pair sums to <= 16,002, two pairs
     // (one vector) to <= 32,004: int16 holds one vector; codes of 4 bits or fewer hold all
-    // four (30,480).
+    // four (30,480). The IQ4 book's signed values (|w| <= 127) go through maddubs as Q8_0's
+    // do, |w| by the activations given w's sign, each product pair widened on its own.
     __m256i i16[MR];
     for (int r = 0; r < MR; ++r) i16[r] = _mm256_setzero_si256();
     __m256 d, m;
@@ -151,11 +154,22 @@ void tile_dot(const uint8_t* tiles, int64_t nb, const int8_t* qa, int64_t k, con
       constexpr int V = decltype(vc)::value;
       __m256i lo, hi;
       Nibbles::template codes<V>(Nibbles::template load<V>(t, 0), lo, hi);
+      if constexpr (kBook) {
+        const __m256i wl = _mm256_shuffle_epi8(book, lo), wh = _mm256_shuffle_epi8(book, hi);
+        const __m256i wl_abs = _mm256_abs_epi8(wl), wh_abs = _mm256_abs_epi8(wh);
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* a = qa + r * k + b * kBlock + 8 * V;
+          const __m256i pl = _mm256_maddubs_epi16(wl_abs, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(a)), wl));
+          const __m256i ph = _mm256_maddubs_epi16(wh_abs, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(a + 4)), wh));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(pl, ones), _mm256_madd_epi16(ph, ones)));
+        }
+        return;
+      }
       for (int r = 0; r < MR; ++r) {
         const int8_t* a = qa + r * k + b * kBlock + 8 * V;
         const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(a))),
                                            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(a + 4))));
-        if constexpr (kHi == 0) {
+        if constexpr (kI16) {
           i16[r] = _mm256_add_epi16(i16[r], p);
         } else {
           isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, ones));
@@ -164,7 +178,7 @@ void tile_dot(const uint8_t* tiles, int64_t nb, const int8_t* qa, int64_t k, con
     };
     const auto scale_half = [&](int half) {  // acc += the half's (or block's) dot, scaled
       for (int r = 0; r < MR; ++r) {
-        if constexpr (kHi == 0) isum[r] = _mm256_madd_epi16(i16[r], ones);
+        if constexpr (kI16) isum[r] = _mm256_madd_epi16(i16[r], ones);
         const __m256 dar = _mm256_set1_ps(da[r * nb + b]);
         const int32_t half_sum = hs[r * 2 * nb + 2 * b + half];
         if constexpr (kSym) {
@@ -172,8 +186,9 @@ void tile_dot(const uint8_t* tiles, int64_t nb, const int8_t* qa, int64_t k, con
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, dar), acc[r]);
         } else {
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, dar), acc[r]);
-          acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(kHalves ? half_scaled_sum(da[r * nb + b], half_sum) : sa[r * nb + b]),
-                                   acc[r]);
+          if constexpr (!kBook)
+            acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(kHalves ? half_scaled_sum(da[r * nb + b], half_sum) : sa[r * nb + b]),
+                                     acc[r]);
         }
         if constexpr (kHalves) isum[r] = i16[r] = _mm256_setzero_si256();
       }
@@ -228,10 +243,12 @@ namespace avx512 {
 template <int MR, int64_t kType>
 void quad_dot_vnni(const uint8_t* tiles, int64_t stride, int64_t nb, const int8_t* qa, int64_t k, const float* da,
                    const float* sa, const int32_t* hs, float* out, int64_t ldo, const float* bias) {
-  constexpr bool kQ8 = kType == kQ8_0, kSym = sym_offset(kType) != 0, kHalves = per_half(kType);
+  constexpr bool kQ8 = kType == kQ8_0, kSym = sym_offset(kType) != 0, kHalves = per_half(kType),
+                 kBook = is_book(kType);
   constexpr int64_t kTile = packed_layout(kType).tile;
   using Nibbles = avx512::NibbleFormat<V16, kType>;
   const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i book = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4.u8)));
   __m512 acc[MR][2];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -277,6 +294,10 @@ void quad_dot_vnni(const uint8_t* tiles, int64_t stride, int64_t nb, const int8_
       __m512i lo0, hi0, lo1, hi1;
       Nibbles::template codes<V>(Nibbles::template load<V>(t0, stride), lo0, hi0);
       Nibbles::template codes<V>(Nibbles::template load<V>(t2, stride), lo1, hi1);
+      if constexpr (kBook) {  // the book's values + 128: unsigned, as vpdpbusd takes them
+        lo0 = _mm512_shuffle_epi8(book, lo0), hi0 = _mm512_shuffle_epi8(book, hi0);
+        lo1 = _mm512_shuffle_epi8(book, lo1), hi1 = _mm512_shuffle_epi8(book, hi1);
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const int8_t* ar = a + r * k + 8 * V;
@@ -290,8 +311,11 @@ void quad_dot_vnni(const uint8_t* tiles, int64_t stride, int64_t nb, const int8_
       for (int r = 0; r < MR; ++r) {
         const __m512 dar = _mm512_set1_ps(da[r * nb + b]);
         const int32_t half_sum = hs[r * 2 * nb + 2 * b + half];
-        if constexpr (kSym) {
-          const __m512i off = _mm512_set1_epi32(sym_offset(kType) * half_sum);
+        if constexpr (kSym || kBook) {
+          // The IQ4 book's +128 comes off as 128 x the block's activation sum: tile_dot's integers.
+          const int32_t off_sum =
+              kBook ? 128 * (hs[r * 2 * nb + 2 * b] + hs[r * 2 * nb + 2 * b + 1]) : sym_offset(kType) * half_sum;
+          const __m512i off = _mm512_set1_epi32(off_sum);
           acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][0], off)), _mm512_mul_ps(d0, dar), acc[r][0]);
           acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][1], off)), _mm512_mul_ps(d1, dar), acc[r][1]);
         } else {
@@ -434,6 +458,8 @@ void quant_tiles(int64_t qtype, int64_t g0, int64_t g1, int64_t m, const uint8_t
     case kQ4_K: PAGEDSERVE_RUN(kQ4_K); break;
     case kQ5_K: PAGEDSERVE_RUN(kQ5_K); break;
     case kQ6_K: PAGEDSERVE_RUN(kQ6_K); break;
+    case kIQ4_NL: PAGEDSERVE_RUN(kIQ4_NL); break;
+    case kIQ4_XS: PAGEDSERVE_RUN(kIQ4_XS); break;
 #undef PAGEDSERVE_RUN
     default: TORCH_CHECK(false, "quant_tiles: qtype ", qtype, " has no int8 form");
   }

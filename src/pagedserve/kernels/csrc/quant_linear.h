@@ -9,6 +9,10 @@
 //   Q3_K (11): as Q6_K with 3-bit q and a 6-bit scale s (stored s + 32): w = (d * s) * (q - 4)
 //   Q2_K (10): super-blocks of 256, fp16 d and dmin, a 4-bit scale s and min n per 16
 //     values: w = (d * s) * q - (dmin * n), q of 2 bits
+//   IQ4_NL (20): fp16 d, 16 bytes of nibbles indexing llama.cpp's code book (kvalues_iq4nl,
+//     16 int8 from -127 to 113)                     w = d * book[q]
+//   IQ4_XS (23): super-blocks of 256, fp16 d, a 6-bit scale s per block (stored s + 32), nibbles
+//     as IQ4_NL's                                   w = (d * s) * book[q]
 //   F16 (1), BF16 (30): the weights as stored, 2 bytes each, no scale (a "block" is 32 of them)
 // A block covers 32 consecutive input values of one output row; in a 4-bit block byte j
 // holds value j in its low nibble and value j + 16 in its high nibble.
@@ -26,7 +30,7 @@ constexpr int64_t kTileCols = 8;  // output columns interleaved in a packed tile
 
 enum QType : int64_t {
   kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13,
-  kQ6_K = 14, kBF16 = 30
+  kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23, kBF16 = 30
 };
 
 // How quant_repack lays out a type's weights for 8 output columns: per super-block (256
@@ -46,6 +50,8 @@ enum QType : int64_t {
 //               vector v/2][32: the third bit, placed as Q5's fifth]
 //   Q2_K:       header [8 fp16 d][8 fp16 dmin]; tile [8 u8 s | n << 4 of values 0-15][8 of
 //               16-31][2-bit codes as Q3_K]
+//   IQ4_NL:     [8 fp16 d][nibbles as Q4]
+//   IQ4_XS:     header [8 fp16 d]; tile [8 int8 s][nibbles as Q4]
 // (so each packs into the bytes of its file, +3.6% for Q3_K: no type grows past its bits)
 //   F16, BF16:  tile [32 x 16: row k holds value k of the 8 columns, 2 bytes each]
 // (F16 and BF16 values widen to fp32 exactly, so their weights too are the fp32 numbers the
@@ -72,6 +78,8 @@ constexpr PackedLayout packed_layout(int64_t qtype) {
     case kQ6_K: return {8, 16, 16 + 128 + 64, 210};
     case kQ3_K: return {8, 16, 16 + 64 + 32, 110};
     case kQ2_K: return {8, 32, 16 + 64, 84};
+    case kIQ4_NL: return {1, 0, 16 + 128, 18};
+    case kIQ4_XS: return {8, 16, 8 + 128, 136};
     case kF16:
     case kBF16: return {1, 0, 32 * 16, 64};
     default: return {0, 0, 0, 0};
@@ -88,7 +96,27 @@ constexpr int hi_bits(int64_t qtype) {
 // symmetric ones' code offset (w = d * (q - offset)), 0 for the others.
 constexpr bool per_half(int64_t qtype) { return qtype == kQ2_K || qtype == kQ3_K || qtype == kQ6_K; }
 constexpr int sym_offset(int64_t qtype) { return qtype == kQ6_K ? 32 : qtype == kQ3_K ? 4 : 0; }
-constexpr int64_t scale_bytes(int64_t qtype) { return packed_layout(qtype).blocks == 1 ? 32 : 16; }
+constexpr int64_t scale_bytes(int64_t qtype) {
+  return qtype == kIQ4_NL ? 16 : qtype == kIQ4_XS ? 8 : packed_layout(qtype).blocks == 1 ? 32 : 16;
+}
+// The types whose nibbles index the IQ4 code book (no min: w = d * book[q]).
+constexpr bool is_book(int64_t qtype) { return qtype == kIQ4_NL || qtype == kIQ4_XS; }
+// llama.cpp's IQ4 code book (ggml-common.h kvalues_iq4nl).
+inline constexpr int8_t kIq4Book[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// The book as 16 fp32 (the fp32 op's lookup) and as bytes + 128 (the VNNI op's unsigned side).
+struct Iq4Tables {
+  alignas(64) float f32[16];
+  alignas(16) uint8_t u8[16];
+};
+constexpr Iq4Tables iq4_tables() {
+  Iq4Tables t{};
+  for (int i = 0; i < 16; ++i) {
+    t.f32[i] = kIq4Book[i];
+    t.u8[i] = static_cast<uint8_t>(kIq4Book[i] + 128);
+  }
+  return t;
+}
+inline constexpr Iq4Tables kIq4 = iq4_tables();
 
 // Weights stored as 16-bit floats: read by the fp32 op only (there is no int8 form of them).
 constexpr bool is_half(int64_t qtype) { return qtype == kF16 || qtype == kBF16; }

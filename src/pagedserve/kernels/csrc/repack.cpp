@@ -193,6 +193,31 @@ void pack_column(int64_t qtype, const uint8_t* src, uint8_t* dst, int j) {
       }
       return;
     }
+    case kIQ4_NL:
+      std::memcpy(dst + 2 * j, src, 2);
+      for (int i = 0; i < 16; ++i) {
+        q[i] = src[2 + i] & 0x0F;
+        q[i + 16] = src[2 + i] >> 4;
+      }
+      return put_codes(dst, 16, 4, 0, j, q);
+    case kIQ4_XS: {
+      // Block s's 6-bit scale: nibble s % 2 of scales_l[s / 2], top bits 2s, 2s + 1 of
+      // scales_h; its nibbles as IQ4_NL's, at qs + 16 s (ggml's dequantize_row_iq4_xs).
+      const uint16_t high = load_u16(src + 2);
+      std::memcpy(dst + 2 * j, src, 2);
+      for (int s = 0; s < 8; ++s) {
+        uint8_t* tile = dst + L.header + s * L.tile;
+        const int scale = ((src[4 + s / 2] >> (4 * (s % 2))) & 0x0F) | (((high >> (2 * s)) & 3) << 4);
+        tile[j] = static_cast<uint8_t>(scale - 32);
+        const uint8_t* qs = src + 8 + 16 * s;
+        for (int i = 0; i < 16; ++i) {
+          q[i] = qs[i] & 0x0F;
+          q[i + 16] = qs[i] >> 4;
+        }
+        put_codes(tile, 8, 4, 0, j, q);
+      }
+      return;
+    }
     case kQ2_K: {
       // Value y = 128n + 32k + l: bits 2k, 2k + 1 of qs[32n + l]; byte y / 16 of the scales
       // holds its 4-bit scale and, above it, its min (ggml's dequantize_row_q2_K).
@@ -217,7 +242,8 @@ void pack_column(int64_t qtype, const uint8_t* src, uint8_t* dst, int j) {
 at::Tensor quant_repack(const at::Tensor& blocks, int64_t qtype) {
   const PackedLayout L = packed_layout(qtype);
   TORCH_CHECK(L.blocks != 0, "quant_repack: qtype must be a GGML type id of F16 (1), Q4_0 (2), Q4_1 (3), Q5_0 (6), "
-              "Q5_1 (7), Q8_0 (8), Q2_K (10), Q3_K (11), Q4_K (12), Q5_K (13), Q6_K (14) or BF16 (30), got ", qtype);
+              "Q5_1 (7), Q8_0 (8), Q2_K (10), Q3_K (11), Q4_K (12), Q5_K (13), Q6_K (14), IQ4_NL (20), IQ4_XS (23) or "
+              "BF16 (30), got ", qtype);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
               "quant_repack: blocks must be a contiguous uint8 [rows, row bytes] tensor");
   TORCH_CHECK(blocks.size(1) % L.gguf_bytes == 0, "quant_repack: row bytes ", blocks.size(1), " not a multiple of ",
@@ -263,6 +289,12 @@ void unpack_lane(int64_t qtype, const uint8_t* hdr, const uint8_t* tile, int j, 
     if (hi == 2) q |= ((codes[128 + 32 * (v / 2) + 4 * j + t % 4] >> (4 * (v % 2) + 2 * high)) & 3) << 4;
     const uint8_t half_scale = tile[8 * (i / 16) + j];
     float d, m;
+    if (is_book(qtype)) {
+      d = L.blocks == 1 ? _cvtsh_ss(load_u16(tile + 2 * j))
+                        : _cvtsh_ss(load_u16(hdr + 2 * j)) * static_cast<float>(static_cast<int8_t>(tile[j]));
+      out[i] = d * kIq4.f32[q];
+      continue;
+    }
     if (L.blocks == 1) {
       d = _cvtsh_ss(load_u16(tile + 2 * j));
       m = _cvtsh_ss(load_u16(tile + 16 + 2 * j));

@@ -34,6 +34,12 @@ struct V8 {
   static F i8(const uint8_t* p, int64_t) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
+  // table[idx] per lane, idx in 0..15: two 8-entry permutes, bit 3 (moved to the sign) picks.
+  static F lookup16(const float* table, I idx) {
+    const F lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table), idx);
+    const F hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(table + 8), idx);
+    return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+  }
   template <int S> static I srli(I a) { return _mm256_srli_epi32(a, S); }
   template <int S> static I slli(I a) { return _mm256_slli_epi32(a, S); }
   template <int S> static I srai(I a) { return _mm256_srai_epi32(a, S); }
@@ -95,6 +101,7 @@ struct V16 {
   static I u8i(const uint8_t* p, int64_t s) { return _mm512_cvtepu8_epi32(bytes(p, s)); }
   static F u8(const uint8_t* p, int64_t s) { return _mm512_cvtepi32_ps(u8i(p, s)); }
   static F i8(const uint8_t* p, int64_t s) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(p, s))); }
+  static F lookup16(const float* table, I idx) { return _mm512_permutexvar_ps(idx, _mm512_loadu_ps(table)); }
   template <int S> static I srli(I a) { return _mm512_srli_epi32(a, S); }
   template <int S> static I slli(I a) { return _mm512_slli_epi32(a, S); }
   template <int S> static I srai(I a) { return _mm512_srai_epi32(a, S); }
