@@ -462,8 +462,9 @@ def _ms_to_s(ms: float | None) -> float | None:
 def default_kv_cache_memory() -> int:
     """A quarter of the memory available now, capped at 2 GiB. For the 135M default
     model (46 KB of fp32 K/V per token) 2 GiB holds ~45k tokens, enough for 64
-    concurrent 700-token sequences; the whole pool is zero-filled at start-up, so a
-    larger default would only slow start-up. Pass kv_cache_memory for more."""
+    concurrent 700-token sequences; the whole pool is committed at start-up (on a
+    thread beside it), so a larger default would only take memory and CPU from a start.
+    Pass kv_cache_memory for more."""
     try:
         with open("/proc/meminfo") as f:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}

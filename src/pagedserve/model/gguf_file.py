@@ -72,6 +72,7 @@ class GGUFFile:
         self.path = Path(path)
         header = _check_header(self.path)
         self.metadata: dict[str, Any] = header.metadata
+        self.header_end = header.end  # header_bytes(path), without a second walk
         self._tensors = _map_tensors(self.path, header)
 
     @property

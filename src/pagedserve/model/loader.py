@@ -7,7 +7,7 @@ A GGUF's metadata costs seconds to read (the `gguf` reader parses the 49k-entry
 vocabulary element by element), so the first load keeps what it found in a cache folder
 keyed by a hash of the file's header: the model config, the tokenizer and the metadata
 without the vocabulary arrays. Quantised matrices that a native kernel reads are then taken from
-the file's memory map at every start (gguf_file.read_tensors: no copy on disk); only a
+the file's memory map at every start (GGUFFile.tensors: no copy on disk); only a
 model inflated to float32 (the torch kernels, or `gguf_weights="dense"`) also caches its
 fused float32 weights there, memory-mapped back on later loads.
 """
@@ -26,7 +26,7 @@ import torch
 
 from .architectures import model_class
 from .config import QUANTIZATION_CHOICES, ModelConfig
-from .gguf_file import GGUFFile, read_tensors
+from .gguf_file import GGUFFile
 from .llama import LlamaModel
 from .moe_config import sparse_layers_in_file
 from .sources import ModelSource, file_digest, gguf_cache_dir, resolve_model  # noqa: F401  (re-exported)
@@ -72,14 +72,16 @@ def cached_gguf(cache_dir: Path, path: Path | None = None) -> ConvertedGGUF | No
     return ConvertedGGUF(config, state, tokenizer, saved["metadata"], cache_dir, from_cache=True)
 
 
-def gguf_header(path: Path, use_cache: bool = True, weights: bool = False) -> ConvertedGGUF:
+def gguf_header(path: Path, use_cache: bool = True, weights: bool = False,
+                gguf: GGUFFile | None = None) -> ConvertedGGUF:
     """The config, tokenizer and metadata of a GGUF; with `weights`, its float32 conversion
-    too where one is cached (else state None)."""
-    cache_dir = gguf_cache_dir(path)
+    too where one is cached (else state None). `gguf`: the file already read, whose one
+    header walk then serves the cache key too (each walk decodes the whole vocabulary)."""
+    gguf = gguf if gguf is not None else GGUFFile(path)
+    cache_dir = gguf_cache_dir(path, gguf.header_end)
     cached = cached_gguf(cache_dir, path if weights else None) if use_cache else None
     if cached is not None:
         return cached
-    gguf = GGUFFile(path)
     config = ModelConfig.from_gguf_metadata(gguf.metadata)
     names = {t.name for t in gguf.tensors()}
     config = dataclasses.replace(config, tie_word_embeddings="output.weight" not in names,
@@ -92,10 +94,11 @@ def gguf_header(path: Path, use_cache: bool = True, weights: bool = False) -> Co
 
 def convert_gguf(path: Path, use_cache: bool = True) -> ConvertedGGUF:
     """The GGUF with its fused float32 weights (every matrix dequantised), cached."""
-    header = gguf_header(path, use_cache, weights=True)
+    gguf = GGUFFile(path)
+    header = gguf_header(path, use_cache, weights=True, gguf=gguf)
     if header.state is not None:
         return header
-    hf = hf_tensors_from_gguf(read_tensors(path), header.config)
+    hf = hf_tensors_from_gguf(gguf.tensors(), header.config)
     state = fuse_hf_tensors(hf, header.config)
     if use_cache:
         _publish_weights(_weights_file(header.cache_dir, path), state)
@@ -180,9 +183,10 @@ def load_model(
         raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks, but {source.path} is a {source.kind} model")
     qtypes = None
     if source.kind == "gguf" and (quantization == "gguf" or (keep_blocks and quantization == "none")):
-        header = gguf_header(source.path, use_cache=use_cache)
+        gguf = GGUFFile(source.path)
+        header = gguf_header(source.path, use_cache=use_cache, gguf=gguf)
         config, tokenizer = header.config, header.tokenizer
-        state, qtypes = fuse_gguf_blocks(read_tensors(source.path), config)
+        state, qtypes = fuse_gguf_blocks(gguf.tensors(), config)
     elif source.kind == "gguf":
         converted = convert_gguf(source.path, use_cache=use_cache)
         config, state, tokenizer = converted.config, converted.state, converted.tokenizer

@@ -50,21 +50,22 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()[:24]
 
 
-def header_digest(path: Path) -> str:
+def header_digest(path: Path, header_end: int | None = None) -> str:
     """sha256 of a GGUF's size and header: what its cached config, tokenizer and metadata
-    come from, read in milliseconds where hashing a 1B model's whole file takes ~0.8 s."""
+    come from, read in milliseconds where hashing a 1B model's whole file takes ~0.8 s.
+    `header_end`: where the header ends, from a walk the caller made (else walked here)."""
     from .gguf_file import header_bytes
 
     h = hashlib.sha256(str(path.stat().st_size).encode())
     with open(path, "rb") as f:
-        h.update(f.read(header_bytes(path)))
+        h.update(f.read(header_bytes(path) if header_end is None else header_end))
     return h.hexdigest()[:24]
 
 
-def gguf_cache_dir(path: Path) -> Path:
+def gguf_cache_dir(path: Path, header_end: int | None = None) -> Path:
     """The folder the loader keeps a GGUF's header in (keyed by it; a float32 conversion of
     the weights inside is keyed by the whole file: loader.convert_gguf)."""
-    return cache_root() / f"v{CACHE_FORMAT}-{header_digest(path)}"
+    return cache_root() / f"v{CACHE_FORMAT}-{header_digest(path, header_end)}"
 
 
 def load_model_tokenizer(model: str | os.PathLike | None) -> Tokenizer:

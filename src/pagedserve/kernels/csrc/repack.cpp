@@ -46,41 +46,50 @@ inline uint16_t scaled_half(uint16_t h, float scale) {
   return _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
 }
 
+inline void store_u32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
+
+// Bytes 8v .. 8v+3 (`hi` false) or 8v+4 .. 8v+7 of the 32 codes, byte t of the word holding
+// value 8v + t or 8v + 4 + t: the layout's four byte lanes, handled in one word (byte-wise,
+// as SWAR: every shift below stays inside its byte after its mask).
+inline uint32_t code_word(const uint8_t (&q)[kBlock], int v, bool hi) { return load_u32(q + 8 * v + 4 * hi); }
+
 // One column's 32 codes (0..63) into a tile at `tile` (after its scale bytes `scale_bytes`):
 // nibbles, or crumbs (`bits` 2: two groups of 8 values to a vector), with `hi_bits` (0, 1 or
-// 2) bits above them in planes after them.
+// 2) bits above them in planes after them. Word-wise, four lanes at a time: a 1B Q4_K_M's
+// repack took 0.43 s byte by byte, 0.24 s so (one thread).
 void put_codes(uint8_t* tile, int64_t scale_bytes, int bits, int hi_bits, int j, const uint8_t (&q)[kBlock]) {
+  constexpr uint32_t kBit0 = 0x01010101, kLow2 = 0x03030303;
+  const uint32_t mask = bits == 4 ? 0x0F0F0F0F : kLow2;
+  const int per = 8 / (2 * bits);  // groups of 8 values per vector
   uint8_t* codes = tile + scale_bytes;
-  const int per = 8 / (2 * bits), mask = (1 << bits) - 1;  // groups per vector
-  for (int vec = 0; vec < 4 / per; ++vec)
-    for (int t = 0; t < 4; ++t) {
-      int byte = 0;
-      for (int u = 0; u < per; ++u) {
-        const int v = per * vec + u, at = 2 * bits * u;
-        byte |= ((q[8 * v + t] & mask) << at) | ((q[8 * v + 4 + t] & mask) << (at + bits));
-      }
-      codes[32 * vec + 4 * j + t] = static_cast<uint8_t>(byte);
+  for (int vec = 0; vec < 4 / per; ++vec) {
+    uint32_t word = 0;
+    for (int u = 0; u < per; ++u) {
+      const int v = per * vec + u, at = 2 * bits * u;
+      word |= ((code_word(q, v, false) & mask) << at) | ((code_word(q, v, true) & mask) << (at + bits));
     }
+    store_u32(codes + 32 * vec + 4 * j, word);
+  }
   // Bits above the codes, byte-aligned with them so that the int8 op builds code bytes
   // with a shift and a mask: plane byte t of lane j holds, for value 8v + t and 8v + 4 + t,
   // the next bit at bits 2v and 2v + 1 (one plane); bits 4-5 at bits 4(v % 2) and
   // 4(v % 2) + 2 of plane v / 2 (two planes, nibbles only).
   uint8_t* hi = codes + 32 * bits;
-  for (int t = 0; t < 4; ++t) {
-    if (hi_bits == 1) {
-      uint8_t plane = 0;
-      for (int v = 0; v < 4; ++v)
-        plane |= (((q[8 * v + t] >> bits) & 1) << (2 * v)) | (((q[8 * v + 4 + t] >> bits) & 1) << (2 * v + 1));
-      hi[4 * j + t] = plane;
-    } else if (hi_bits == 2) {
-      for (int h = 0; h < 2; ++h) {
-        uint8_t plane = 0;
-        for (int u = 0; u < 2; ++u) {
-          const int v = 2 * h + u;
-          plane |= (((q[8 * v + t] >> 4) & 3) << (4 * u)) | (((q[8 * v + 4 + t] >> 4) & 3) << (4 * u + 2));
-        }
-        hi[32 * h + 4 * j + t] = plane;
+  if (hi_bits == 1) {
+    uint32_t plane = 0;
+    for (int v = 0; v < 4; ++v)
+      plane |= (((code_word(q, v, false) >> bits) & kBit0) << (2 * v)) |
+               (((code_word(q, v, true) >> bits) & kBit0) << (2 * v + 1));
+    store_u32(hi + 4 * j, plane);
+  } else if (hi_bits == 2) {
+    for (int h = 0; h < 2; ++h) {
+      uint32_t plane = 0;
+      for (int u = 0; u < 2; ++u) {
+        const int v = 2 * h + u;
+        plane |= (((code_word(q, v, false) >> 4) & kLow2) << (4 * u)) |
+                 (((code_word(q, v, true) >> 4) & kLow2) << (4 * u + 2));
       }
+      store_u32(hi + 32 * h + 4 * j, plane);
     }
   }
 }
@@ -249,15 +258,20 @@ at::Tensor quant_repack(const at::Tensor& blocks, int64_t qtype) {
   TORCH_CHECK(blocks.size(1) % L.gguf_bytes == 0, "quant_repack: row bytes ", blocks.size(1), " not a multiple of ",
               L.gguf_bytes);
   const int64_t n = blocks.size(0), ns = blocks.size(1) / L.gguf_bytes, ng = (n + kTileCols - 1) / kTileCols;
-  at::Tensor packed = at::zeros({ng, ns, L.super_bytes()}, blocks.options());
+  at::Tensor packed = at::empty({ng, ns, L.super_bytes()}, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
+  const int64_t group_bytes = ns * L.super_bytes();
   at::parallel_for(0, ng, 16, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
+    for (int64_t g = g0; g < g1; ++g) {
+      // Zeroed (the columns past N stay so) group by group, just before it is written, rather
+      // than by at::zeros: one pass over the model's bytes fewer.
+      std::memset(dst + g * group_bytes, 0, group_bytes);
       for (int64_t s = 0; s < ns; ++s)
         for (int j = 0; j < kTileCols && g * kTileCols + j < n; ++j)
           pack_column(qtype, src + ((g * kTileCols + j) * ns + s) * L.gguf_bytes,
                       dst + (g * ns + s) * L.super_bytes(), j);
+    }
   });
   return packed;
 }
