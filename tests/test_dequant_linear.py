@@ -142,9 +142,9 @@ def test_op_rejects_mismatched_arguments() -> None:
     with pytest.raises(ValueError, match="activations"):
         QuantLinear(layer.packed.new_zeros(16, 68), QTYPES["q8_0"], activations="bf16")
     with pytest.raises(RuntimeError, match="quant_repack: row bytes"):
-        torch.ops.pagedserve.quant_repack(layer.packed.new_zeros(16, 100), int(T.Q4_K))
+        torch.ops.pagedserve.quant_repack([layer.packed.new_zeros(16, 100)], int(T.Q4_K))
     with pytest.raises(RuntimeError, match="quant_repack: qtype"):
-        torch.ops.pagedserve.quant_repack(layer.packed.new_zeros(16, 100), int(T.IQ2_XS))  # no kernel
+        torch.ops.pagedserve.quant_repack([layer.packed.new_zeros(16, 100)], int(T.IQ2_XS))  # no kernel
 
 
 def test_half_weights_have_only_the_fp32_form_and_whole_blocks() -> None:

@@ -53,7 +53,7 @@ def pseudo_random_blocks(qtype: T, rows: int = ROWS) -> torch.Tensor:
 
 
 def packed_digest(qtype: T) -> str:
-    packed = torch.ops.pagedserve.quant_repack(pseudo_random_blocks(qtype), int(qtype))
+    packed = torch.ops.pagedserve.quant_repack([pseudo_random_blocks(qtype)], int(qtype))
     return hashlib.sha256(packed.numpy().tobytes()).hexdigest()[:32]
 
 
@@ -61,3 +61,16 @@ def packed_digest(qtype: T) -> str:
 @pytest.mark.parametrize("qtype", list(DIGESTS), ids=lambda t: t.name)
 def test_packed_bytes_are_the_scalar_packers(qtype: T, threads) -> None:
     assert packed_digest(qtype) == DIGESTS[qtype]
+
+
+def test_parts_pack_as_their_rows_stacked() -> None:
+    """A fused matrix's parts (q, k, v) pack straight into one output, whatever their row
+    counts (a part may end inside a tile of 8) and row strides (views into a wider buffer)."""
+    blocks = pseudo_random_blocks(T.Q4_K)
+    whole = torch.ops.pagedserve.quant_repack([blocks], int(T.Q4_K))
+    wide = torch.cat([blocks, blocks], dim=1)[:, : blocks.shape[1]]  # rows twice as far apart
+    assert wide.stride(0) == 2 * blocks.shape[1]
+    for parts in ([blocks[:5], blocks[5:21], blocks[21:]], [wide[:100], blocks[100:]], [wide]):
+        assert torch.equal(torch.ops.pagedserve.quant_repack(parts, int(T.Q4_K)), whole)
+    with pytest.raises(RuntimeError, match="one width"):
+        torch.ops.pagedserve.quant_repack([blocks, blocks[:, :144]], int(T.Q4_K))

@@ -166,10 +166,9 @@ def pack(blocks: torch.Tensor | list[torch.Tensor], qtype: int) -> tuple[torch.T
         raise ValueError(f"layers on GGUF blocks need pagedserve's native kernels, which cannot run here: {reason}")
     parts = list(blocks) if isinstance(blocks, (list, tuple)) else [blocks]
     rows, values = sum(b.shape[0] for b in parts), row_values(parts[0], qtype)
-    if any(b.shape[0] % 8 for b in parts[:-1]):  # a part would end inside a tile of 8 rows
-        parts = [torch.cat(parts)]
-    packed = [torch.ops.pagedserve.quant_repack(b.contiguous(), qtype) for b in parts]
-    return (packed[0] if len(packed) == 1 else torch.cat(packed)), rows, values
+    # The op reads each part's rows where they are (memory-mapped file pages, say).
+    parts = [b if b.dim() == 2 and b.stride(-1) == 1 else b.contiguous() for b in parts]
+    return torch.ops.pagedserve.quant_repack(parts, qtype), rows, values
 
 
 class QuantLinear(nn.Module):

@@ -246,22 +246,32 @@ void pack_column(int64_t qtype, const uint8_t* src, uint8_t* dst, int j) {
   }
 }
 
-// GGUF blocks [N, row bytes] -> packed [ceil(N/8), super-blocks per row, super bytes];
-// columns past N in the last tile are zero (scale 0), so they add nothing.
-at::Tensor quant_repack(const at::Tensor& blocks, int64_t qtype) {
+// GGUF blocks, the rows of `parts` stacked ([N, row bytes] in all), -> packed [ceil(N/8),
+// super-blocks per row, super bytes]; columns past N in the last tile are zero (scale 0), so
+// they add nothing. Packing the parts of a fused matrix (q, k, v) straight into one output
+// spares a concatenation of them or of their tiles: each would be a copy of the matrix whose
+// freed pages the allocator keeps (a 1B model's load held ~110 MB more so).
+at::Tensor quant_repack(const std::vector<at::Tensor>& parts, int64_t qtype) {
   const PackedLayout L = packed_layout(qtype);
   TORCH_CHECK(L.blocks != 0, "quant_repack: qtype must be a GGML type id of F16 (1), Q4_0 (2), Q4_1 (3), Q5_0 (6), "
               "Q5_1 (7), Q8_0 (8), Q2_K (10), Q3_K (11), Q4_K (12), Q5_K (13), Q6_K (14), IQ4_NL (20), IQ4_XS (23) or "
               "BF16 (30), got ", qtype);
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
-              "quant_repack: blocks must be a contiguous uint8 [rows, row bytes] tensor");
-  TORCH_CHECK(blocks.size(1) % L.gguf_bytes == 0, "quant_repack: row bytes ", blocks.size(1), " not a multiple of ",
+  TORCH_CHECK(!parts.empty(), "quant_repack: no blocks");
+  const int64_t row_bytes = parts[0].dim() == 2 ? parts[0].size(1) : -1;
+  std::vector<const uint8_t*> rows;  // each row's blocks, in the stacked order
+  for (const at::Tensor& part : parts) {
+    TORCH_CHECK(part.scalar_type() == at::kByte && part.dim() == 2 && part.size(1) == row_bytes &&
+                    (part.size(1) <= 1 || part.stride(1) == 1),
+                "quant_repack: blocks must be uint8 [rows, row bytes] tensors of one width, each row contiguous");
+    const uint8_t* base = part.data_ptr<uint8_t>();
+    for (int64_t r = 0; r < part.size(0); ++r) rows.push_back(base + r * part.stride(0));
+  }
+  TORCH_CHECK(row_bytes % L.gguf_bytes == 0, "quant_repack: row bytes ", row_bytes, " not a multiple of ",
               L.gguf_bytes);
-  const int64_t n = blocks.size(0), ns = blocks.size(1) / L.gguf_bytes, ng = (n + kTileCols - 1) / kTileCols;
-  at::Tensor packed = at::empty({ng, ns, L.super_bytes()}, blocks.options());
-  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  const int64_t n = static_cast<int64_t>(rows.size()), ns = row_bytes / L.gguf_bytes;
+  const int64_t ng = (n + kTileCols - 1) / kTileCols, group_bytes = ns * L.super_bytes();
+  at::Tensor packed = at::empty({ng, ns, L.super_bytes()}, parts[0].options());
   uint8_t* dst = packed.data_ptr<uint8_t>();
-  const int64_t group_bytes = ns * L.super_bytes();
   at::parallel_for(0, ng, 16, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       // Zeroed (the columns past N stay so) group by group, just before it is written, rather
@@ -269,8 +279,7 @@ at::Tensor quant_repack(const at::Tensor& blocks, int64_t qtype) {
       std::memset(dst + g * group_bytes, 0, group_bytes);
       for (int64_t s = 0; s < ns; ++s)
         for (int j = 0; j < kTileCols && g * kTileCols + j < n; ++j)
-          pack_column(qtype, src + ((g * kTileCols + j) * ns + s) * L.gguf_bytes,
-                      dst + (g * ns + s) * L.super_bytes(), j);
+          pack_column(qtype, rows[g * kTileCols + j] + s * L.gguf_bytes, dst + (g * ns + s) * L.super_bytes(), j);
     }
   });
   return packed;
@@ -359,7 +368,7 @@ at::Tensor quant_unpack_rows(const at::Tensor& packed, int64_t qtype, const at::
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-  m.def("quant_repack(Tensor blocks, int qtype) -> Tensor", &quant_repack);
+  m.def("quant_repack(Tensor[] parts, int qtype) -> Tensor", &quant_repack);
   m.def("quant_unpack_rows(Tensor packed, int qtype, Tensor ids) -> Tensor", &quant_unpack_rows);
 }
 
