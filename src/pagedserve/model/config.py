@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from . import variants
-from .moe_config import MoEConfig, moe_from_gguf, moe_from_hf
+from .moe_config import MoEConfig, moe_from_gguf, moe_from_hf, sparse_layers_in_file
 
 # Architectures this engine runs, keyed by GGUF `general.architecture` / HF `model_type`.
 # Mixtral, Qwen3-MoE and OLMoE add experts (model/moe.py); a GGUF calls Mixtral "llama"
@@ -129,6 +129,16 @@ class ModelConfig:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
         out["moe"] = None if self.moe is None else dataclasses.asdict(self.moe)
         return out
+
+    @classmethod
+    def from_gguf(cls, gguf: Any) -> "ModelConfig":
+        """A GGUF file's config (`gguf`: model.gguf_file.GGUFFile): its metadata's, with what
+        only its tensor table says: the head tied where there is no output.weight, and which
+        layers hold experts."""
+        names = {t.name for t in gguf.tensors()}
+        config = cls.from_gguf_metadata(gguf.metadata)
+        return dataclasses.replace(config, tie_word_embeddings="output.weight" not in names,
+                                   moe=sparse_layers_in_file(config.moe, names))
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> "ModelConfig":

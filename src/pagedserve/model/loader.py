@@ -28,7 +28,6 @@ from .architectures import model_class
 from .config import QUANTIZATION_CHOICES, ModelConfig
 from .gguf_file import GGUFFile
 from .llama import LlamaModel
-from .moe_config import sparse_layers_in_file
 from .sources import ModelSource, file_digest, gguf_cache_dir, resolve_model  # noqa: F401  (re-exported)
 from .tokenizer import Tokenizer
 from .weights import (fuse_gguf_blocks, fuse_hf_tensors, fuse_stored_halves, hf_tensors_from_gguf,
@@ -82,10 +81,7 @@ def gguf_header(path: Path, use_cache: bool = True, weights: bool = False,
     cached = cached_gguf(cache_dir, path if weights else None) if use_cache else None
     if cached is not None:
         return cached
-    config = ModelConfig.from_gguf_metadata(gguf.metadata)
-    names = {t.name for t in gguf.tensors()}
-    config = dataclasses.replace(config, tie_word_embeddings="output.weight" not in names,
-                                 moe=sparse_layers_in_file(config.moe, names))
+    config = ModelConfig.from_gguf(gguf)
     tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     if use_cache:
         _publish_cache(cache_dir, tokenizer, config, gguf.metadata)

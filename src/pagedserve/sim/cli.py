@@ -11,7 +11,7 @@ from ..core.config import POLICIES, SCHEDULING_POLICIES
 from ..core.contiguous_kv import KV_LAYOUTS, PAGE_SIZE
 from ..workload.datasets import add_dataset_args, dataset_from_args
 from ..workload.metrics import CLASS_TTFT, summary_columns
-from .cost_model import DTYPE_BYTES, DTYPES
+from .cost_model import DTYPE_BYTES, DTYPES, GGUF_DTYPE
 from .hardware import HARDWARE_NAMES
 from .models import MODELS
 
@@ -25,8 +25,10 @@ SUMMARY_COLUMNS = summary_columns(("output_throughput", "mean_ttft_ms", "p99_ttf
 def _add_setup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", choices=HARDWARE_NAMES, default="h100-sxm5")
     p.add_argument("--model", default="llama-3.3-70b", help=f"{', '.join(MODELS)}, or a config.json / .gguf path")
-    p.add_argument("--dtype", choices=DTYPES, default="bf16", help="weight dtype")
-    p.add_argument("--kv-cache-dtype", choices=DTYPES, default=None, help="default: as --dtype")
+    p.add_argument("--dtype", choices=(*DTYPES, GGUF_DTYPE), default=None,
+                   help="weight dtype; gguf: a .gguf model's own types (Q4_K_M's mix...) at their bytes, "
+                        "multiplied at the bf16 rate (default: gguf for a .gguf model, else bf16)")
+    p.add_argument("--kv-cache-dtype", choices=DTYPES, default=None, help="default: as --dtype (bf16 for gguf)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -82,6 +84,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies:
         raise ValueError(f"policies must be a comma-separated subset of {', '.join(POLICIES)}; got {args.policies!r}")
+    args.dtype = args.dtype or (GGUF_DTYPE if args.model.endswith(".gguf") else "bf16")
     sc = build_scenario(args.model, args.hardware, args.dtype, args.kv_cache_dtype, args.tp, args.block_size,
                         args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len,
                         args.gpu_memory_utilization, args.kv_cache_memory, args.enable_prefix_caching)

@@ -37,9 +37,12 @@ from ..core.step_budget import SHORT_QUERY_LEN, StepTimeModel
 from ..core.validation import is_int
 from ..model.config import ModelConfig
 from .hardware import ALLREDUCE_LATENCY_S, Hardware, MeasuredRates, rate_at
+from .models import StoredWeights
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
 DTYPES = tuple(DTYPE_BYTES)
+# The weight "dtype" that prices a .gguf model at its own types' bytes (scenario.build_scenario).
+GGUF_DTYPE = "gguf"
 
 
 def check_dtype(name: str, dtype: str) -> None:
@@ -101,7 +104,9 @@ class StepCost:
 
 class CostModel:
     def __init__(self, model: ModelConfig, hardware: Hardware, weight_dtype: str = "bf16",
-                 kv_dtype: str | None = None, tp: int = 1):
+                 kv_dtype: str | None = None, tp: int = 1, stored: StoredWeights | None = None):
+        """`stored`: a GGUF's own bytes per weight, which replace weight_dtype's (its blocks
+        are multiplied at weight_dtype's rate)."""
         check_dtype("dtype", weight_dtype)
         kv_dtype = kv_dtype or weight_dtype
         check_dtype("kv_cache_dtype", kv_dtype)
@@ -121,10 +126,12 @@ class CostModel:
         # ignore list and the embedding is no linear layer, so both stay BF16 (and the head's
         # GEMM runs at the BF16 rate).
         self.head_dtype = "bf16" if weight_dtype == "fp8" else weight_dtype
-        body_bytes = (m.num_params - head) * DTYPE_BYTES[weight_dtype]
-        self.weight_bytes = weight_bytes(m, DTYPE_BYTES[weight_dtype], DTYPE_BYTES[self.head_dtype])
+        self.weight_dtype_bytes = stored.body if stored else DTYPE_BYTES[weight_dtype]
+        self.head_dtype_bytes = stored.head if stored else DTYPE_BYTES[self.head_dtype]
+        body_bytes = (m.num_params - head) * self.weight_dtype_bytes
+        self.weight_bytes = weight_bytes(m, self.weight_dtype_bytes, self.head_dtype_bytes)
         # The embedding table is gathered, not read.
-        self._read_bytes = (body_bytes + head * DTYPE_BYTES[self.head_dtype]) / tp
+        self._read_bytes = (body_bytes + head * self.head_dtype_bytes) / tp
         self._body_flops_per_token = 2 * (m.num_params - head)
         self._head_flops_per_sample = 2 * head
         self._attn_flops_per_pair = attention_flops_per_pair(m)

@@ -23,8 +23,8 @@ def plan_memory(cost: CostModel, block_size: int, max_num_batched_tokens: int, m
         kv_cache_memory = default_kv_cache_memory()
     try:
         return plan_device_memory(
-            cost.model, hw.memory_bytes, weight_dtype_bytes=DTYPE_BYTES[cost.weight_dtype],
-            head_dtype_bytes=DTYPE_BYTES[cost.head_dtype], act_bytes=DTYPE_BYTES[cost.act_dtype],
+            cost.model, hw.memory_bytes, weight_dtype_bytes=cost.weight_dtype_bytes,
+            head_dtype_bytes=cost.head_dtype_bytes, act_bytes=DTYPE_BYTES[cost.act_dtype],
             kv_dtype_bytes=DTYPE_BYTES[cost.kv_dtype], block_size=block_size,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             gpu_memory_utilization=gpu_memory_utilization, tp=cost.tp, kv_cache_memory=kv_cache_memory, draft=draft)

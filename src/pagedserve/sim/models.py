@@ -1,7 +1,9 @@
 """Model shapes by name (from each model's published config.json), or read from a
-config.json / model folder / GGUF file."""
+config.json / model folder / GGUF file; a GGUF's bytes per weight as it stores them."""
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..model.config import ModelConfig
@@ -33,8 +35,32 @@ def load_model(spec: str) -> ModelConfig:
     if path.suffix == ".gguf" and path.exists():
         from ..model.gguf_file import GGUFFile  # numpy + gguf, never torch
 
-        return ModelConfig.from_gguf_metadata(GGUFFile(path).metadata)
+        return ModelConfig.from_gguf(GGUFFile(path))
     if path.exists():
         return ModelConfig.from_hf_config(path)
     raise ValueError(f"model must be one of {', '.join(MODELS)} or a config.json / .gguf path; got {spec!r}")
 
+
+
+@dataclass(frozen=True)
+class StoredWeights:
+    """Bytes per weight as a GGUF stores them (the engine holds its blocks at 0.98-1.04x the
+    file: docs/kernels.md): the decoder's tensors, and the LM head (the tied embedding where
+    the file has no output.weight; an untied embedding is priced as the head)."""
+
+    body: float
+    head: float
+
+
+def stored_weights(spec: str) -> StoredWeights:
+    """The bytes per weight of a .gguf file's own types (Q4_K_M's mix, say)."""
+    if not (spec.endswith(".gguf") and Path(spec).is_file()):
+        raise ValueError(f"dtype 'gguf' prices a GGUF file's own types: model must be a .gguf path, got {spec!r}")
+    from ..model.gguf_file import GGUFFile  # numpy + gguf, never torch
+
+    tensors = GGUFFile(spec).tensors()
+    head_name = "output.weight" if any(t.name == "output.weight" for t in tensors) else "token_embd.weight"
+    body = [t for t in tensors if t.name not in ("output.weight", "token_embd.weight")]
+    head = next(t for t in tensors if t.name == head_name)
+    return StoredWeights(sum(t.raw.nbytes for t in body) / sum(math.prod(t.shape) for t in body),
+                         head.raw.nbytes / math.prod(head.shape))

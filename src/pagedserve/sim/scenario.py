@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from ..core.config import MIN_WHOLE_PROMPT_BUDGET, whole_prompt_budget
 from ..core.contiguous_kv import PAGE_SIZE, ContiguousLayout, check_kv_layout, plan_contiguous
 from ..model.config import ModelConfig
-from .cost_model import CostModel
+from .cost_model import GGUF_DTYPE, CostModel
 from .hardware import Hardware, get_hardware
 from .memory import MemoryPlan, plan_memory
-from .models import load_model
+from .models import load_model, stored_weights
 from .simulator import SimConfig
 
 # The seed's chunk size ("default ~512 tokens").
@@ -69,9 +69,12 @@ def build_scenario(model: str, hardware: str, dtype: str = "bf16", kv_cache_dtyp
                    gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None,
                    enable_prefix_caching: bool = True, clamp_max_model_len: bool = True) -> Scenario:
     """max_model_len defaults to the model's, clamped to what the pool holds (vLLM refuses to
-    start otherwise; `doctor` passes clamp_max_model_len=False to report that instead)."""
+    start otherwise; `doctor` passes clamp_max_model_len=False to report that instead).
+    dtype "gguf" prices a .gguf model's weights at the bytes its own types take."""
     m = load_model(model)
-    cost = CostModel(m, get_hardware(hardware), dtype, kv_cache_dtype, tp)
+    # "gguf": the file's own bytes per weight, multiplied at the 16-bit rate (dequantised as read).
+    stored = stored_weights(model) if dtype == GGUF_DTYPE else None
+    cost = CostModel(m, get_hardware(hardware), "bf16" if stored else dtype, kv_cache_dtype, tp, stored)
     budget = max_num_batched_tokens or max(DEFAULT_CHUNK_BUDGET, max_num_seqs)
     plan = plan_memory(cost, block_size, budget, max_num_seqs, gpu_memory_utilization, kv_cache_memory)
     mml = max_model_len or m.max_position_embeddings
