@@ -310,7 +310,6 @@ void unpack_lane(int64_t qtype, const uint8_t* hdr, const uint8_t* tile, int j, 
     uint32_t q = (codes[32 * vec + 4 * j + t % 4] >> at) & ((1 << bits) - 1);
     if (hi == 1) q |= ((codes[32 * bits + 4 * j + t % 4] >> (2 * v + high)) & 1) << bits;
     if (hi == 2) q |= ((codes[128 + 32 * (v / 2) + 4 * j + t % 4] >> (4 * (v % 2) + 2 * high)) & 3) << 4;
-    const uint8_t half_scale = tile[8 * (i / 16) + j];
     float d, m;
     if (is_book(qtype)) {
       d = L.blocks == 1 ? _cvtsh_ss(load_u16(tile + 2 * j))
@@ -321,12 +320,15 @@ void unpack_lane(int64_t qtype, const uint8_t* hdr, const uint8_t* tile, int j, 
     if (L.blocks == 1) {
       d = _cvtsh_ss(load_u16(tile + 2 * j));
       m = _cvtsh_ss(load_u16(tile + 16 + 2 * j));
-    } else if (sym_offset(qtype) != 0) {
-      d = _cvtsh_ss(load_u16(hdr + 2 * j)) * static_cast<float>(static_cast<int8_t>(half_scale));
-      m = d * -static_cast<float>(sym_offset(qtype));
-    } else if (qtype == kQ2_K) {
-      d = _cvtsh_ss(load_u16(hdr + 2 * j)) * static_cast<float>(half_scale & 0x0F);
-      m = -(_cvtsh_ss(load_u16(hdr + 16 + 2 * j)) * static_cast<float>(half_scale >> 4));
+    } else if (per_half(qtype)) {
+      const uint8_t scale = tile[8 * (i / 16) + j];  // this value's half's scale byte
+      if (qtype == kQ2_K) {
+        d = _cvtsh_ss(load_u16(hdr + 2 * j)) * static_cast<float>(scale & 0x0F);
+        m = -(_cvtsh_ss(load_u16(hdr + 16 + 2 * j)) * static_cast<float>(scale >> 4));
+      } else {
+        d = _cvtsh_ss(load_u16(hdr + 2 * j)) * static_cast<float>(static_cast<int8_t>(scale));
+        m = d * -static_cast<float>(sym_offset(qtype));
+      }
     } else {
       d = _cvtsh_ss(load_u16(hdr + 2 * j)) * static_cast<float>(tile[j]);
       m = -(_cvtsh_ss(load_u16(hdr + 16 + 2 * j)) * static_cast<float>(tile[8 + j]));
