@@ -2,9 +2,9 @@
 
 `mkdocs build --strict` fails on any unresolved link or anchor and on any page left out of
 the nav (mkdocs.yml's `validation` makes each a warning, which strict turns into an error).
-README.md and the docs speak only of what is in the repository: no link that leaves it, no
-file that is not in it (PEERS.md, DESIGN.md, ../shared), no tracker issue number a reader
-cannot open. A docs page names a source file as a code path in backticks
+README.md, the docs and the sources' comments speak only of what is in the repository: no
+link that leaves it, no file that is not in it (notes beside the checkout, a shared folder),
+no tracker issue number a reader cannot open: they say what was measured or decided. A docs page names a source file as a code path in backticks
 (`benchmarks/peers.py`), never as a link, since the site holds only docs/. The README stays
 short, and every command block it marks runnable (`<!-- runnable -->` on the line before
 the fence) runs.
@@ -27,13 +27,22 @@ README_MAX_LINES = 200
 RUNNABLE = "<!-- runnable -->"
 
 OUTSIDE_FILES = re.compile(r"PEERS\.md|DESIGN\.md|\.\./shared|shared/peers")
-# "issue 39", "Issue #15", "(#38)", "vllm#40004"; not an anchor such as "#2026-12-04-...".
+# "issue 7", "Issue #7", "(#7)", "project#7"; not an anchor such as "#2026-12-04-...".
 ISSUE_NUMBER = re.compile(r"\bissues?\s+#?\d+|#\d+(?![\w-])", re.IGNORECASE)
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
+SOURCE_SUFFIXES = {".py", ".cpp", ".h", ".js", ".html", ".css", ".jinja", ".sh"}
+
+
 def _pages() -> list[Path]:
     return [README, *sorted(DOCS.rglob("*.md"))]
+
+
+def _sources() -> list[Path]:
+    """The code users read: the package (comments and docstrings) and the benchmark scripts."""
+    return sorted(p for folder in (ROOT / "src", ROOT / "benchmarks") for p in folder.rglob("*")
+                  if p.suffix in SOURCE_SUFFIXES and p.is_file())
 
 
 def _link_targets(text: str) -> list[str]:
@@ -102,7 +111,7 @@ def test_docs_pages_link_only_to_pages_of_the_site():
 
 def test_no_reference_to_files_outside_the_repository_or_to_issue_numbers():
     found = []
-    for page in _pages():
+    for page in _pages() + _sources():
         for number, line in enumerate(page.read_text().splitlines(), 1):
             for pattern in (OUTSIDE_FILES, ISSUE_NUMBER):
                 match = pattern.search(line)
@@ -112,11 +121,11 @@ def test_no_reference_to_files_outside_the_repository_or_to_issue_numbers():
 
 
 def test_the_patterns_catch_what_they_are_for():
-    for text in ("issue 39", "Issue #15's targets", "(#38)", "vllm#40004", "issues 12"):
+    for text in ("issue 39", "Issue #15's targets", "(#38)", "project#40004", "issues 12"):
         assert ISSUE_NUMBER.search(text), text
     for text in ("[x](benchmarks.md#2026-12-04-fast-by-default)", "W1-W4", "45 KiB", "rank 0"):
         assert not ISSUE_NUMBER.search(text), text
-    for text in ("see PEERS.md", "../shared/peers/x.sh", "DESIGN.md"):
+    for text in ("see PEERS" + ".md", "../" + "shared/peers/x.sh", "DESIGN" + ".md"):
         assert OUTSIDE_FILES.search(text), text
 
 
