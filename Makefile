@@ -8,7 +8,7 @@ STAMP := $(VENV)/.setup-done
 KERNELS := src/pagedserve/kernels/_C.so
 KERNEL_SOURCES := $(wildcard src/pagedserve/kernels/csrc/*)
 
-.PHONY: setup test test-slow fuzz serve run generate clean browser
+.PHONY: setup test test-slow fuzz serve run generate clean browser docs
 
 setup: $(STAMP) $(KERNELS)
 
@@ -65,5 +65,9 @@ run: serve
 generate: setup
 	$(BIN)/pagedserve generate
 
+# The docs site (mkdocs.yml), into site/; strict: a broken link or anchor fails the build.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info $(KERNELS)
+	rm -rf $(VENV) build *.egg-info src/*.egg-info $(KERNELS) site

@@ -1,6 +1,6 @@
 """The automatic step budget, designed in the simulator before it is measured on the engine.
 
-PEERS.md's W1-W4 through the calibrated twin of this CPU (`pagedserve sim calibrate` first),
+The workloads W1-W4 (`benchmarks/peers.py`, docs/benchmarks.md) through the calibrated twin of this CPU (`pagedserve sim calibrate` first),
 each under the old fixed 256-token budget, absolute ITL targets and the automatic target at
 several ratios (a step beside decodes within R x their predicted decode-only time): output
 tok/s as a ratio to the fixed budget's, and p99 ITL.

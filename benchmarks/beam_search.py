@@ -7,7 +7,7 @@ One engine, one process. Each rep runs the same C prompts twice, greedy (n=1) an
 search (beam_width W, the best beam returned), interleaved so that load from other
 processes hits both alike; both run to max_tokens (ignore_eos: the beams stop on length
 alone, as greedy does), so each request outputs max_tokens tokens either way and the
-figure is wall time / (C * max_tokens). The issue's target (#40): beam width 4 costs at
+figure is wall time / (C * max_tokens). The goal: beam width 4 costs at
 most 1.5x greedy's time per output token at 8 concurrent requests. Prints the median
 of each and their ratio, and checks that every beam request returned max_tokens tokens.
 """

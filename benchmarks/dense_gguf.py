@@ -1,5 +1,5 @@
 """Write a random-weight dense GGUF of a size users run, in a Q4_K_M-like mix, without a hub:
-the 1B and 3B files of docs/benchmarks.md's "1B and 3B Q4_K_M with today's default" and the
+the 1B and 3B files of docs/benchmarks.md's "The models users bring" and the
 beam-search cost on a model users bring.
 
 Llama-3.2-1B's and -3B's widths (hidden, layers, heads, MLP) in Qwen3's layout (q/k norms),

@@ -1,4 +1,4 @@
-"""Does stepping the engine from a non-main thread cost time? It did (docs/benchmarks.md,
+"""Does stepping the engine from a non-main thread cost time? It did (docs/notebook/2026-rounds.md,
 fifth round) until AsyncEngine freed the main thread's OpenMP pool before starting its
 thread (engine/openmp_pool.py; sixth round). A served engine pays whatever this measures.
 

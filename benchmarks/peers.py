@@ -1,15 +1,15 @@
 """pagedserve beside its peers, one server at a time with the same client
 (`pagedserve bench serve`): vLLM's CPU backend, llama-server, and any pagedserve variants,
-on PEERS.md's workloads W1-W4: output tok/s, p99 ITL, start-up time and resident memory.
+on the workloads W1-W4 (`WORKLOADS` below, docs/benchmarks.md): output tok/s, p99 ITL, start-up time and resident memory.
 
     .venv/bin/python benchmarks/peers.py [--model FILE.gguf ...] [--workloads W1,W2,W3,W4] \
         [--llama-server PATH/llama-server] [--vllm DIR --hf-model HF_FOLDER] [--rounds 1] \
         [--pagedserve default= --pagedserve "fixed256=--quantization none --max-num-batched-tokens 256"] \
         [--out benchmarks/results/peers.json]
 
---model defaults to the embedded SmolLM2-135M-Instruct. --vllm is the folder
-`../shared/peers/build_vllm_cpu.sh DIR` made; vLLM serves --hf-model (the same weights as an
-HF folder: it does not run these GGUFs) in fp32, as `serve_vllm_cpu.sh` starts it, once per
+--model defaults to the embedded SmolLM2-135M-Instruct. --vllm is a folder
+holding a CPU build of vLLM in its own venv (DIR/vllm/bin/python); vLLM serves --hf-model (the same weights as an
+HF folder: it does not run these GGUFs) in fp32 (`vllm_command`), once per
 model and round (its start-up is minutes), with the workloads run against it in turn.
 pagedserve variants (default: `default=`, no flags) get --kv-cache-memory sized to the
 workload's tokens in their KV dtype, and llama-server `-t 2`, `-np` matched to the
@@ -18,7 +18,7 @@ to their first good /health, warmed with one request, loaded with the workload (
 seed per round, token-id prompts, ignore_eos), their resident memory (the process tree's
 VmRSS) read, and stopped. Servers alternate which goes first from round to round. The
 report names the CPU and its flags. Make other GGUFs with llama.cpp's converter and
-llama-quantize (../shared/PEERS.md) or `python -m pagedserve.model.gguf_rewrite`; nothing is
+llama-quantize or `python -m pagedserve.model.gguf_rewrite`; nothing is
 downloaded.
 """
 from __future__ import annotations
@@ -135,7 +135,7 @@ def llama_command(llama: str, model: Path, port: int, w: Workload) -> list[str]:
 
 
 def vllm_command(vllm: Path, hf_model: Path, name: str, port: int) -> tuple[list[str], dict]:
-    """As ../shared/peers/serve_vllm_cpu.sh starts it: fp32, both cores, 8 GiB of KV."""
+    """vLLM's CPU backend as the comparisons run it: fp32, both cores, 8 GiB of KV."""
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "8"}
     return [str(vllm / "vllm" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
             str(hf_model), "--served-model-name", name, "--port", str(port), "--dtype", "float32"], env

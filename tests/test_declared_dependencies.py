@@ -94,7 +94,7 @@ def test_every_import_is_installed_by_the_extras_its_command_documents():
 @pytest.mark.slow
 def test_fresh_venv_runs_every_command(tmp_path):
     """`pip install .[server]` alone into a new venv (torch from the same index), then each
-    command the README documents for it runs: sim and doctor, serve answers a completion,
+    command the docs document for it runs: sim and doctor, serve answers a completion,
     `router --backend ... --policy cache_aware` and `router --prefill ... --decode ...` start."""
     import subprocess
 

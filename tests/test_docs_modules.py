@@ -1,5 +1,5 @@
 """Every module is named in a document: a newcomer who meets a file in the tree finds
-what it is for in docs/ (issue 37). A module counts as named when its path under
+what it is for in docs/. A module counts as named when its path under
 src/pagedserve/ appears in a docs page or the README."""
 from __future__ import annotations
 

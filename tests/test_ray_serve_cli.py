@@ -1,4 +1,4 @@
-"""The README's "Run it on Ray" commands, end to end on a two-node cluster of this host
+"""The Ray commands of docs/scale-out.md, end to end on a two-node cluster of this host
 (tests/ray_cluster.py): `pagedserve serve-ray CONFIG.yaml` answers a completion through its
 ingress and exits 0 on SIGTERM, and `serve run ...:build_app config=CONFIG.yaml` (Ray's own
 CLI) takes the same file."""

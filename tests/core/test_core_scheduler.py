@@ -185,7 +185,7 @@ def test_priority_preempts_the_least_important():
 
 
 def test_a_waiting_high_priority_request_takes_the_seat_of_the_lowest_running():
-    """vLLM's open bug (vllm#40004): with every seat taken, a higher-priority arrival
+    """vLLM's scheduler, an open bug there: with every seat taken, a higher-priority arrival
     waits for a low one to finish. Here it is admitted the next step; the victim is the
     lowest priority (latest arrival on ties), resumes at its own place in the queue, ahead
     of later arrivals of its class, and ends with the tokens it would have had."""

@@ -55,7 +55,7 @@ def _body(size: int) -> bytes:
 
 @pytest.mark.parametrize("pause_s", [0.0, 0.05], ids=["fast-sender", "slow-sender"])
 def test_two_megabyte_body_gets_a_readable_413(limited_server, pause_s):
-    """Issue 17: a 2 MB body ended in a connection reset instead of a 413 the client could read."""
+    """A 2 MB body ended in a connection reset instead of a 413 the client could read."""
     body = _body(TWO_MB)
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % len(body))
@@ -138,7 +138,7 @@ def _rss_bytes(pid: int) -> int:
 
 
 def test_a_header_flood_gets_431_unread_and_leaves_memory_alone(header_bounded_server):
-    """Issue 36: a single 500 MB header was read whole, answered 200 and kept in memory."""
+    """A single 500 MB header was read whole, answered 200 and kept in memory."""
     pid = header_bounded_server.proc.pid
     before = _rss_bytes(pid)
     chunk = b"a" * (1 << 20)

@@ -73,7 +73,7 @@ JSON_CASES = [
     ("body-is-a-string", CHAT, "hello", 400, None),
     ("detokenize-over-vocab", "/detokenize", {"tokens": [VOCAB]}, 400, "tokens"),
     ("tokenize-neither", "/tokenize", {"add_special_tokens": True}, 400, "prompt"),
-    # Found by hand and by schemathesis (issue 17): each was a 500.
+    # Found by hand and by schemathesis: each was a 500.
     ("chat-empty-role-null-content", CHAT, {"messages": [{"role": "", "content": None}]}, 400, "messages"),
     ("tokenize-empty-role-null-content", "/tokenize", {"messages": [{"role": "", "content": None}]}, 400,
      "messages"),
@@ -91,7 +91,7 @@ RAW_CASES = [
     ("temperature-overflow", COMPLETIONS, b'{"prompt": "x", "max_tokens": 2, "temperature": 1e999}', 400),
     ("top-p-nan", CHAT, b'{"messages": [{"role": "user", "content": "x"}], "top_p": NaN}', 400),
     ("deeply-nested", COMPLETIONS, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
-    # A lone surrogate is valid JSON but not Unicode text (issue 17: the tokenizer raised, a 500).
+    # A lone surrogate is valid JSON but not Unicode text (the tokenizer raised: a 500).
     ("lone-surrogate-prompt", COMPLETIONS, b'{"prompt": "\\ud800", "max_tokens": 2}', 400),
     ("lone-surrogate-tokenize", "/tokenize", b'{"prompt": "a\\udfff"}', 400),
     ("lone-surrogate-chat", CHAT, b'{"messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 2}', 400),

@@ -1,5 +1,5 @@
-"""A latency target drives the real scheduler in the simulator: on PEERS.md's W2-, W3-
-and W4-shaped workloads (scaled down) it holds p99 ITL near its target where a fixed
+"""A latency target drives the real scheduler in the simulator: on W2-, W3-
+and W4-shaped workloads (docs/benchmarks.md) (scaled down) it holds p99 ITL near its target where a fixed
 256-token budget misses it (W2), and under load it keeps the fixed budget's throughput
 with a tail no worse (W3, W4)."""
 import pytest

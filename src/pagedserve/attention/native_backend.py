@@ -14,7 +14,7 @@ so the same prompt cut into other chunks (alone, or beside other requests' decod
 stored slightly different K/V; a narrow cache's rounding then turned that into other
 greedy tokens (an fp8_e4m3 cache on AMD Zen 4). At the CPU default budget (256 tokens a
 step) the native op is as fast as the flash path or faster on the chunks a step holds
-(docs/benchmarks.md, "2026-12-03: prefill chunks on the native attention op").
+(docs/notebook/2026-rounds.md, "2026-12-03: prefill chunks on the native attention op").
 """
 from __future__ import annotations
 

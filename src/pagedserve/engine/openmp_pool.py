@@ -7,7 +7,7 @@ before it sleeps on a futex, so each later region pays a futex wake-up. The thre
 that loads the model (the process's main thread) keeps its pool after loading, and
 the engine thread then gets a second one: on 2 CPUs that is 3 managed threads for
 2 CPUs, and every region the engine opens costs ~15 us more — ~20% of a served step
-(docs/benchmarks.md, fifth and sixth rounds). Freeing the loading thread's pool
+(docs/notebook/2026-rounds.md, fifth and sixth rounds). Freeing the loading thread's pool
 before the engine thread starts brings the count back to what the CPUs hold.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 //
 // Why not torch: CpuPagedAttention gathers every short query's blocks into a padded
 // tensor before SDPA; at a 32-row decode step that copy was ~24% of the step and the
-// attention over it ~27% (issue #15). Here each work item is (sequence, one partition
+// attention over it ~27% (torch.profiler on that step). Here each work item is (sequence, one partition
 // of 256 key positions): it walks the partition's blocks, and each KV head's K/V rows
 // of a block are read from memory once for all the query rows that share them (the
 // query tokens x the query heads of that KV head, GQA). The softmax runs once per

@@ -1,5 +1,5 @@
-"""The README's `doctor --tune` sample is what the command prints today: the command is
-run as the README writes it and the README's output block must be the start of its output."""
+"""The Tuning page's `doctor --tune` sample is what the command prints today: the command is
+run as docs/tuning.md writes it and the page's output block must be the start of its output."""
 from __future__ import annotations
 
 import re
@@ -8,13 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+TUNING = Path(__file__).resolve().parents[2] / "docs" / "tuning.md"
 
 
-def test_readme_tune_sample_is_the_commands_output():
-    text = README.read_text()
+def test_tuning_page_sample_is_the_commands_output():
+    text = TUNING.read_text()
     match = re.search(r"```bash\n\.venv/bin/pagedserve (doctor --tune[^`]*?)\n```\n```\n(.*?)\n```", text, re.S)
-    assert match, "the README's doctor --tune sample moved: update this test's pattern"
+    assert match, "the Tuning page's doctor --tune sample moved: update this test's pattern"
     args = shlex.split(match.group(1).replace("\\\n", " "))
     shown = match.group(2).splitlines()
     out = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", *args], capture_output=True, text=True,
