@@ -40,7 +40,7 @@ SHAPES = {
     "contiguous": dict(kv_layout="contiguous"),
     "ngram": dict(speculative_config=NGRAM),
     "draft-model": dict(speculative_config=SELF_DRAFT),
-    "preemption": dict(kv_cache_memory=10 * TINY_KV_BYTES_PER_BLOCK, max_num_batched_tokens=64),
+    "preemption": dict(kv_cache_memory=10 * TINY_KV_BYTES_PER_BLOCK, max_num_batched_tokens=64, max_num_seqs=32),
 }
 BOOL_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
                "additionalProperties": False}
