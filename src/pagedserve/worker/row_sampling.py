@@ -1,6 +1,9 @@
 """Turning a step's logits into tokens per request: plain rows, parallel-sampling
 fork rows (n samples, each with its child's generator) and speculative rows (one
-sample per verified position, then the accepted prefix; see spec_decode/verify.py)."""
+sample per verified position, then the accepted prefix; see spec_decode/verify.py).
+A request with reasoning markers is read through its ReasoningState (core/reasoning.py):
+rows past its thinking budget draw the end marker, and its grammar sees only its answer
+(docs/thinking-budget.md)."""
 from __future__ import annotations
 
 import logging
