@@ -29,6 +29,7 @@ _UINT64 = 1 << 64
 # of nearby request seeds far apart, so request seed s child 1 does not replay
 # request seed s+1 child 0 (as a plain seed + i would).
 _CHILD_SEED_STRIDE = 0x9E3779B97F4A7C15
+MAX_THINKING_TOKEN_BUDGET = 10**9
 
 
 def _require_int(name: str, value: object) -> int:
@@ -86,9 +87,49 @@ def _normalise_logit_bias(bias: dict[int, float] | None) -> dict[int, float] | N
     return normalised
 
 
+@dataclass(frozen=True)
+class ReasoningMarkers:
+    end_token_ids: tuple[int, ...]      # the tokens that close the reasoning, e.g. tokenizer.encode("</think>")
+    starts_in_reasoning: bool           # True when the prompt already opened the section: the first output token is reasoning
+    start_token_ids: tuple[int, ...] = ()  # the tokens that open it in the output (e.g. "<think>"); empty when starts_in_reasoning
+
+
+def _check_marker_ids(name: str, ids: object, allow_empty: bool) -> None:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (tuple, list)):
+        raise ValueError(f"reasoning.{name} must be a tuple of token ids, got {ids!r}")
+    if not ids and not allow_empty:
+        raise ValueError(f"reasoning.{name} must hold at least one token id")
+    for tid in ids:
+        _require_range(f"reasoning.{name}", _require_int(f"reasoning.{name}", tid), 0, math.inf, "token ids >= 0")
+
+
+def _check_reasoning(markers: ReasoningMarkers | None, budget: int | None) -> None:
+    """The markers must say where the section opens and how it closes; a budget needs them."""
+    if budget is not None:
+        _require_range("thinking_token_budget", _require_int("thinking_token_budget", budget), 0,
+                       MAX_THINKING_TOKEN_BUDGET, f"None or in [0, {MAX_THINKING_TOKEN_BUDGET}]")
+    if markers is None:
+        if budget is not None:
+            raise ValueError("thinking_token_budget needs reasoning markers (reasoning): the engine must know "
+                             "which tokens close the thinking section")
+        return
+    if not isinstance(markers, ReasoningMarkers):
+        raise ValueError(f"reasoning must be a ReasoningMarkers or None, got {type(markers).__name__}")
+    if not isinstance(markers.starts_in_reasoning, bool):
+        raise ValueError(f"reasoning.starts_in_reasoning must be a bool, got {markers.starts_in_reasoning!r}")
+    _check_marker_ids("end_token_ids", markers.end_token_ids, allow_empty=False)
+    _check_marker_ids("start_token_ids", markers.start_token_ids, allow_empty=True)
+    if markers.starts_in_reasoning and markers.start_token_ids:
+        raise ValueError("reasoning.start_token_ids must be empty when starts_in_reasoning is true "
+                         "(the prompt already opened the section)")
+    if not markers.starts_in_reasoning and not markers.start_token_ids:
+        raise ValueError("reasoning.start_token_ids must name the opening tokens when starts_in_reasoning is false")
+
+
 # Fields beam search does not apply (SamplingParams._check_beam_search): each must keep its default.
 _NOT_WITH_BEAM_SEARCH = ("top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                         "logit_bias", "min_tokens", "stop", "logprobs", "prompt_logprobs", "structured_outputs")
+                         "logit_bias", "min_tokens", "stop", "logprobs", "prompt_logprobs", "structured_outputs",
+                         "reasoning")
 
 
 def child_seed(seed: int, index: int) -> int:
@@ -151,6 +192,11 @@ class SamplingParams:
     beam_width: int | None = None
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # Where the model's thinking section opens and closes (None: no section). The engine
+    # then ends the section itself after thinking_token_budget tokens (None: no limit),
+    # and structured_outputs constrain only the answer after it (docs/thinking-budget.md).
+    reasoning: ReasoningMarkers | None = None
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         _require_range("n", _require_int("n", self.n), 1, math.inf, ">= 1")
@@ -193,6 +239,7 @@ class SamplingParams:
             raise ValueError(
                 f"structured_outputs must be a StructuredOutputs or None, got {type(self.structured_outputs).__name__}"
             )
+        _check_reasoning(self.reasoning, self.thinking_token_budget)
         self._check_beam_search()
 
     def _check_beam_search(self) -> None:
@@ -230,7 +277,10 @@ class SamplingParams:
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Reject token ids the model cannot produce; the engine calls this on arrival."""
-        for name, ids in (("logit_bias", self.logit_bias or {}), ("stop_token_ids", self.stop_token_ids)):
+        markers = self.reasoning
+        marker_ids = () if markers is None else (*markers.start_token_ids, *markers.end_token_ids)
+        for name, ids in (("logit_bias", self.logit_bias or {}), ("stop_token_ids", self.stop_token_ids),
+                          ("reasoning", marker_ids)):
             for tid in ids:
                 if tid >= vocab_size:
                     raise ValueError(f"{name} token id {tid} is out of range [0, {vocab_size - 1}] for this model")

@@ -2,8 +2,8 @@
 
 Per step the model runner calls `build_sampling_metadata` on the rows' SamplingParams
 and token histories, then `sample(logits, metadata)`. Processing order (as vLLM):
-logit_bias, min_tokens masking, penalties, then temperature, top-k / top-p / min-p,
-then the draw. Greedy rows take the argmax after bias, masking and penalties.
+logit_bias, min_tokens masking, penalties, forced tokens, then temperature, top-k /
+top-p / min-p, then the draw. Greedy rows take the argmax after bias, masking and penalties.
 
 Every filter keeps an upper set of the row's logits, so the order of top-k, top-p and
 min-p only matters in that top-p is measured on the top-k-renormalised distribution;
@@ -120,6 +120,9 @@ class SamplingMetadata:
     min_tokens_mask: TokenMask | None
     logprob_rows: torch.Tensor | None  # int64 [L]: rows that asked for logprobs
     max_num_logprobs: int  # top tokens to return per such row (the largest request)
+    # Rows that must draw one given token (a thinking budget ending the section): every
+    # other logit is -inf at the draw, after the model's logprobs are taken.
+    forced: TokenMask | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -130,7 +133,7 @@ class SamplingMetadata:
         """Every row greedy with nothing to apply first: sampling is one argmax, which runs on
         whatever device holds the logits (the rest of the sampler runs on CPU tensors)."""
         return (self.all_greedy and self.logit_bias is None and self.min_tokens_mask is None
-                and self.penalties is None and self.logprob_rows is None)
+                and self.penalties is None and self.logprob_rows is None and self.forced is None)
 
     @property
     def all_random(self) -> bool:
@@ -221,13 +224,15 @@ def build_sampling_metadata(
     rows: Sequence[SamplingRow | tuple[SamplingParams, Sequence[int], Sequence[int], torch.Generator | None]],
     vocab_size: int,
     eos_token_ids: Collection[int] = (),
+    forced: Sequence[tuple[int, int]] = (),
 ) -> SamplingMetadata:
     """One step's SamplingMetadata from (params, prompt ids, output ids, generator) per row.
 
     A seeded random row must come with its generator (`make_generator(seed)` once per
     request, kept by the runner across steps); a greedy row's generator is ignored.
     `eos_token_ids` are masked, with the row's stop_token_ids, until min_tokens is
-    reached, except on ignore_eos rows.
+    reached, except on ignore_eos rows. `forced` holds (row, token id) pairs: those rows
+    draw that token whatever their logits say.
     """
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
@@ -288,6 +293,7 @@ def build_sampling_metadata(
         min_tokens_mask=TokenMask(*_sparse_rows(masked)) if masked else None,
         logprob_rows=torch.tensor(logprob_rows, dtype=torch.int64) if logprob_rows else None,
         max_num_logprobs=max_num_logprobs,
+        forced=TokenMask(*_sparse_rows(list(forced))) if forced else None,
     )
 
 
@@ -315,6 +321,11 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits.index_put_((mask.rows, mask.token_ids), torch.tensor(_NEG_INF))
     if metadata.penalties is not None:
         apply_penalties(logits, metadata.penalties)
+    if metadata.forced is not None:
+        # After every other change, so nothing (a min_tokens mask) can leave such a row all -inf.
+        forced = metadata.forced
+        logits[forced.rows] = _NEG_INF
+        logits[forced.rows, forced.token_ids] = 0.0
     sampled = _draw(logits, metadata)
     logprobs = None
     if raw_logprobs is not None:
