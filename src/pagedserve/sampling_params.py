@@ -23,6 +23,8 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_ABS_PENALTY = 2.0
+# Far above any context length; a budget beyond it is a client's mistake, not a wish.
+MAX_THINKING_TOKEN_BUDGET = 10**9
 
 _UINT64 = 1 << 64
 # Odd 64-bit constant (2**64 / golden ratio): stepping by it spreads the children
@@ -116,6 +118,24 @@ def token_seed(seed: int, position: int) -> int:
     return z ^ (z >> 31)
 
 
+@dataclass(frozen=True)
+class ReasoningMarkers:
+    """Where a reasoning model's thinking section ends (and starts) in token ids, for the
+    engine to count and cap it (SamplingParams.thinking_token_budget)."""
+
+    end_token_ids: tuple[int, ...]      # the tokens that close the reasoning, e.g. tokenizer.encode("</think>") (with the newline the template expects after it, if any)
+    starts_in_reasoning: bool           # True when the prompt already opened the section (R1 templates) — the first output token is reasoning
+    start_token_ids: tuple[int, ...] = ()  # the tokens that open it in the output (Qwen3's "<think>"); empty when starts_in_reasoning
+
+
+def _check_reasoning(budget: int | None, markers: ReasoningMarkers | None) -> None:
+    if budget is not None:
+        _require_range("thinking_token_budget", _require_int("thinking_token_budget", budget), 0,
+                       MAX_THINKING_TOKEN_BUDGET, f"None or in [0, {MAX_THINKING_TOKEN_BUDGET}]")
+    if markers is not None and not isinstance(markers, ReasoningMarkers):
+        raise ValueError(f"reasoning must be a ReasoningMarkers or None, got {type(markers).__name__}")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Sampling settings of one request; field meanings follow vLLM and the OpenAI API.
@@ -151,6 +171,10 @@ class SamplingParams:
     beam_width: int | None = None
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # A reasoning model's thinking: at most this many tokens of it (None: no cap), the
+    # section found by `reasoning`'s markers (None: the model does not reason).
+    thinking_token_budget: int | None = None
+    reasoning: ReasoningMarkers | None = None
 
     def __post_init__(self) -> None:
         _require_range("n", _require_int("n", self.n), 1, math.inf, ">= 1")
@@ -193,6 +217,7 @@ class SamplingParams:
             raise ValueError(
                 f"structured_outputs must be a StructuredOutputs or None, got {type(self.structured_outputs).__name__}"
             )
+        _check_reasoning(self.thinking_token_budget, self.reasoning)
         self._check_beam_search()
 
     def _check_beam_search(self) -> None:
