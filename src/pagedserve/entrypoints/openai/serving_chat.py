@@ -144,7 +144,7 @@ class ChatServing(OpenAIServing):
         for c in tracker.choices:
             reply = parse_reply(tracker.pieces(c.index), started.reasoning, plan.parser)
             message: dict[str, Any] = {"role": "assistant", "content": reply.content}
-            if started.reasoning is not None:
+            if self.reasoning_parser is not None:
                 message["reasoning_content"] = reply.reasoning
             finish_reason = c.finish_reason
             if reply.calls:
