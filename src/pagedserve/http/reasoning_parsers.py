@@ -160,7 +160,8 @@ class HarmonyParser(StreamingReasoningParser):
     `commentary` are the answer; text between messages (`<|start|>assistant`) is dropped.
     The markers are special tokens: the text must keep them (skip_special_tokens false)."""
 
-    _HEADER = re.compile(r"<\|channel\|>([A-Za-z_]+)(?:[^<]*)<\|message\|>")
+    # The header may carry a recipient and a content type (`to=functions.f <|constrain|>json`).
+    _HEADER = re.compile(r"<\|channel\|>([A-Za-z_]+).*?<\|message\|>", re.DOTALL)
     _ENDS = ("<|end|>", "<|return|>", "<|call|>")
     _OPEN = "<|start|>"
 
