@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -62,8 +62,8 @@ class ChatServing(OpenAIServing):
             n = started.params.n
             tracker = ChoiceTracker([meta.id], n, started.num_prompt_tokens, keep_output=not req.stream)
             top = req.top_logprobs or 0
-            parsers = [ReplyParser(started.reasoning, plan.tools.parser) for _ in range(n)]
             if req.stream:
+                parsers = [ReplyParser(started.reasoning, plan.tools.parser) for _ in range(n)]
                 return SSEResponse(self._events(started.stream, tracker, meta, top, req.include_usage, parsers),
                                    seat)
             return await until_disconnected(request, self._respond(started, tracker, meta, top, plan.tools))
