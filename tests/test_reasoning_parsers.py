@@ -143,6 +143,8 @@ def test_budgets_need_a_parser(kwargs, param):
     ({"effort": "huge"}, "reasoning_effort"),
     ({"template_kwargs": {"tools": []}}, "chat_template_kwargs"),
     ({"template_kwargs": {"_private": 1}}, "chat_template_kwargs"),
+    ({"template_kwargs": {"self": 1}}, "chat_template_kwargs"),
+    ({"template_kwargs": {"not a name": 1}}, "chat_template_kwargs"),
 ])
 def test_bad_reasoning_fields(kwargs, param):
     with pytest.raises(APIError) as e:

@@ -15,8 +15,9 @@ from .reasoning_parsers import Encode, PromptReasoning, ReasoningFormat
 
 # OpenAI's efforts as thinking budgets (clamped to the request's max_tokens).
 EFFORT_BUDGETS = {"low": 1024, "medium": 4096, "high": 16384}
-# What a template's own variables are; a request's chat_template_kwargs may not replace them.
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+# The variables the server gives a template (and the renderer's own argument names): a
+# request's chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "self"})
 
 
 @dataclass(frozen=True, slots=True)
