@@ -23,13 +23,14 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_ABS_PENALTY = 2.0
+# Far above any context length; a budget beyond it is a client's mistake, not a wish.
+MAX_THINKING_TOKEN_BUDGET = 10**9
 
 _UINT64 = 1 << 64
 # Odd 64-bit constant (2**64 / golden ratio): stepping by it spreads the children
 # of nearby request seeds far apart, so request seed s child 1 does not replay
 # request seed s+1 child 0 (as a plain seed + i would).
 _CHILD_SEED_STRIDE = 0x9E3779B97F4A7C15
-MAX_THINKING_TOKEN_BUDGET = 10**9
 
 
 def _require_int(name: str, value: object) -> int:

@@ -80,7 +80,7 @@ def test_function_call_and_its_output(client, model, http, stream):
 @pytest.mark.parametrize("fields, param, message", [
     ({"previous_response_id": "resp_123"}, "previous_response_id", "stores no responses"),
     ({"input": []}, "input", "non-empty"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "not supported"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input", "not supported"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "input_text"),
     ({"tools": [{"type": "web_search"}]}, "tools", "not supported"),
     ({"tools": [{**WEATHER_TOOL, "parameters": {"type": "objekt"}}]}, "tools", "objekt"),

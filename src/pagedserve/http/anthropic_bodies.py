@@ -44,7 +44,21 @@ class ToolResultBlockParam(StrictModel):
     is_error: bool = Field(False, description="Accepted; the model reads the content either way.")
 
 
-ContentBlockParam = Annotated[TextBlockParam | ToolUseBlockParam | ToolResultBlockParam, Field(discriminator="type")]
+class ThinkingBlockParam(StrictModel):
+    """An earlier reply's reasoning, sent back in its assistant turn; left out of the prompt."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = ""
+
+
+class RedactedThinkingBlockParam(StrictModel):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+ContentBlockParam = Annotated[TextBlockParam | ToolUseBlockParam | ToolResultBlockParam | ThinkingBlockParam
+                              | RedactedThinkingBlockParam, Field(discriminator="type")]
 
 
 class MessageParam(StrictModel):
@@ -95,6 +109,19 @@ class OutputConfig(StrictModel):
     format: JSONOutputFormat | None = None
 
 
+class ThinkingConfigEnabled(StrictModel):
+    type: Literal["enabled"]
+    budget_tokens: Annotated[int, Field(ge=1024, description="At least 1024 and less than max_tokens: at most this "
+                                                             "many tokens of reasoning.")]
+
+
+class ThinkingConfigDisabled(StrictModel):
+    type: Literal["disabled"]
+
+
+ThinkingConfig = Annotated[ThinkingConfigEnabled | ThinkingConfigDisabled, Field(discriminator="type")]
+
+
 class MessagesPrompt(StrictModel):
     """What makes the prompt: both routes take it."""
 
@@ -117,6 +144,10 @@ class MessagesRequest(MessagesPrompt):
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
     top_k: Annotated[int, Field(ge=0, description="0 = off.")] | None = None
     output_config: OutputConfig | None = Field(None, description="Only `format` is used (effort is ignored).")
+    thinking: ThinkingConfig | None = Field(None, description=(
+        "enabled: the reply starts with a thinking block (a reasoning model's reasoning, at most budget_tokens); "
+        "disabled: the chat template is asked not to think (enable_thinking false). Without it, reasoning is "
+        "left out of the reply."))
     # Not Anthropic's: the scheduling priority chat/completions takes (a vLLM extra).
     priority: int = Field(0, description="Lower runs first under --scheduling-policy priority.")
 
@@ -133,6 +164,12 @@ StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 class TextBlock(BaseModel):
     type: Literal["text"]
     text: str
+
+
+class ThinkingBlock(BaseModel):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = Field(description="The sha256 of the thinking text, in hex: no secret, only a checksum.")
 
 
 class ToolUseBlock(BaseModel):
@@ -152,7 +189,7 @@ class Message(BaseModel):
     type: Literal["message"]
     role: Literal["assistant"]
     model: str
-    content: list[TextBlock | ToolUseBlock]
+    content: list[ThinkingBlock | TextBlock | ToolUseBlock]
     stop_reason: StopReason | None
     stop_sequence: str | None
     usage: Usage

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, StringConstraints, WithJsonSchema
 
 from ..core.validation import is_int
-from ..sampling_params import MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGPROBS
+from ..sampling_params import MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGPROBS, MAX_THINKING_TOKEN_BUDGET
 from .errors import APIError
 from .json_body import StrictModel
 
@@ -44,6 +44,9 @@ _LogitBias = Annotated[
 StopStrings = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]],
                          Field(max_length=MAX_STOP_STRINGS)]
 _ConstraintText = Annotated[str, Field(min_length=1, max_length=MAX_CONSTRAINT_CHARS)]
+ThinkingTokenBudget = Annotated[int, Field(ge=0, le=MAX_THINKING_TOKEN_BUDGET, description=(
+    "vLLM's: at most this many tokens of reasoning, then the model answers; needs a reasoning model "
+    "(--reasoning-parser). 0: no reasoning."))]
 
 
 class StreamOptions(StrictModel):
@@ -79,6 +82,7 @@ class GenerationBody(StrictModel):
     # Disaggregated prefill/decode (docs/disaggregated.md): {"do_remote_decode": true} on a
     # prefill instance; the prefill's response's kv_transfer_params on a decode instance.
     kv_transfer_params: dict[str, Any] | None = None
+    thinking_token_budget: ThinkingTokenBudget | None = None
     # vLLM's structured-output fields (the guided_* ones are its older spelling); at most one may be given.
     guided_json: _ConstraintText | dict[str, Any] | None = None
     guided_regex: _ConstraintText | None = None
@@ -185,6 +189,12 @@ class ChatCompletionRequest(GenerationBody):
         description="none, auto, required, or {type: function, function: {name}}.")] | None = None
     parallel_tool_calls: bool = True
     response_format: Annotated[dict[str, Any], WithJsonSchema(_RESPONSE_FORMAT_SCHEMA)] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        None, description="A thinking budget of 1024 / 4096 / 16384 tokens (at most max_tokens); not with "
+                          "thinking_token_budget.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM's: extra variables for the chat template, e.g. {\"enable_thinking\": false} "
+                          "(templates that do not read one ignore it).")
 
     def structured_output_fields(self) -> dict[str, dict[str, Any]]:
         out = super().structured_output_fields()
@@ -248,6 +258,10 @@ class ResponsesRequest(StrictModel):
     store: bool | None = None  # accepted; nothing is ever stored
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
+    reasoning: dict[str, Any] | None = Field(
+        None, description="{effort: low | medium | high}: a thinking budget as chat's reasoning_effort; "
+                          "summary is accepted (the reasoning item carries the reasoning itself).")
+    thinking_token_budget: ThinkingTokenBudget | None = None
     # As on chat/completions (a vLLM extra); a tenant's key may fix it (docs/tenants.md).
     priority: int = Field(0, description="Lower runs first under --scheduling-policy priority.")
 

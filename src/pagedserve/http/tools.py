@@ -146,8 +146,11 @@ def tool_chat_tokenizer(tokenizer: Tokenizer, tool_parser: ToolParser | None) ->
 
 
 def render_chat_text(tokenizer: Tokenizer, tool_tokenizer: Tokenizer, messages: list[dict[str, Any]],
-                     add_generation_prompt: bool, tools: list[dict[str, Any]] | None) -> str:
+                     add_generation_prompt: bool, tools: list[dict[str, Any]] | None,
+                     template_kwargs: dict[str, Any] | None = None) -> str:
     """The prompt text of a conversation (the router renders it the same way to find
-    which replica caches it); ValueError if the template refuses the messages."""
+    which replica caches it); ValueError if the template refuses the messages.
+    `template_kwargs`: the request's chat_template_kwargs (enable_thinking, ...)."""
     chosen = tool_tokenizer if tools or uses_tools(messages) else tokenizer
-    return chosen.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+    return chosen.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                      **(template_kwargs or {}))

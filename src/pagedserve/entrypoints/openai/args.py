@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from ...config import EngineConfig, parse_memory
 from ...http.bounds import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_HEADER_BYTES
 from ...http.middleware import API_KEY_ENV
+from ...http.reasoning_parsers import REASONING_PARSERS, ReasoningFormat, detect_reasoning_parser
 from ...http.tool_parsers import TOOL_PARSERS
 from ...sampling_params import MAX_LOGPROBS
 
@@ -34,6 +35,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     uvicorn_log_level: str = "info"
     tool_call_parser: str | None = "hermes"  # None: requests with tools get a 400
+    reasoning_parser: str | None = "auto"  # auto: what the chat template writes; None: replies are not split
     disable_uvicorn_access_log: bool = False
     dashboard: bool = True
     dashboard_show_prompts: bool = False
@@ -52,6 +54,9 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {list(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in (*REASONING_PARSERS, "auto"):
+            raise ValueError(f"reasoning_parser must be one of {[*REASONING_PARSERS, 'auto']} or None, "
+                             f"got {self.reasoning_parser!r}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty")
         if self.api_key is not None and self.api_keys is not None:
@@ -96,6 +101,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=d.tool_call_parser, choices=[*TOOL_PARSERS, "none"],
                    help="how models write tool calls, for tools / tool_choice (default hermes: <tool_call> JSON); "
                         "'none' refuses requests with tools")
+    g.add_argument("--reasoning-parser", default=d.reasoning_parser, choices=[*REASONING_PARSERS, "auto", "none"],
+                   help="how a reasoning model marks its thinking, split out of replies as reasoning_content "
+                        "(default auto: deepseek_r1 or qwen3 when the chat template writes <think>, gpt_oss for "
+                        "harmony channels, else none); 'none' leaves replies whole (docs/reasoning.md)")
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log one line per HTTP request")
     g.add_argument("--no-dashboard", dest="dashboard", action="store_false",
                    help="do not serve the live engine page at /dashboard")
@@ -104,12 +113,21 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     EngineConfig.add_cli_args(parser)
 
 
+def server_reasoning_parser(name: str | None, chat_template: str | None) -> ReasoningFormat | None:
+    """The reasoning format a server splits replies with: the one named, or for "auto"
+    the one the model's chat template writes (None: replies are left whole)."""
+    if name == "auto":
+        return detect_reasoning_parser(chat_template)
+    return None if name is None else REASONING_PARSERS[name]
+
+
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     # Every other field's flag has the field's name as its dest and takes its value as given.
     derived = {
         "engine": EngineConfig.from_cli_args(args),
         "api_key": args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
         "tool_call_parser": None if args.tool_call_parser == "none" else args.tool_call_parser,
+        "reasoning_parser": None if args.reasoning_parser == "none" else args.reasoning_parser,
     }
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if f.name not in derived}
     return ServerConfig(**given, **derived)

@@ -17,6 +17,7 @@ from ...http.openai_bodies import ChatCompletionRequest, CompletionRequest, Deto
 from ...http.openapi import ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse, \
     DetokenizeResponse, ModelList, TokenizeResponse, TokenizerInfoResponse, VersionResponse, body_responses, \
     generation_responses, get_responses, post_route, responses_api_responses
+from ...http.reasoning_parsers import ReasoningFormat
 from ...http.tool_parsers import ToolParser
 from .args import ServerConfig
 from .dashboard import install_dashboard
@@ -40,6 +41,7 @@ class ServerParts:
     metrics: ServerMetrics
     model_names: list[str]  # the names /v1/models lists; the first is the default
     tool_parser: ToolParser | None
+    reasoning_parser: ReasoningFormat | None  # --reasoning-parser, or what the chat template writes
 
 
 RouteGroup = Callable[[FastAPI, ServerParts], Sequence[type[BaseModel]]]
@@ -47,9 +49,9 @@ RouteGroup = Callable[[FastAPI, ServerParts], Sequence[type[BaseModel]]]
 
 def openai_routes(app: FastAPI, parts: ServerParts) -> list[type[BaseModel]]:
     """/v1/completions, /v1/chat/completions, /v1/responses and /v1/models."""
-    completions = CompletionServing(parts.context)
-    chat = ChatServing(parts.context, tool_parser=parts.tool_parser)
-    responses = ResponsesServing(parts.context, tool_parser=parts.tool_parser)
+    completions = CompletionServing(parts.context, reasoning_parser=parts.reasoning_parser)
+    chat = ChatServing(parts.context, tool_parser=parts.tool_parser, reasoning_parser=parts.reasoning_parser)
+    responses = ResponsesServing(parts.context, tool_parser=parts.tool_parser, reasoning_parser=parts.reasoning_parser)
     engine, created = parts.context.engine, int(time.time())
 
     post_route(app, "/v1/completions", CompletionRequest, generation_responses(CompletionResponse, CompletionChunk),

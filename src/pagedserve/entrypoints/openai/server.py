@@ -33,7 +33,7 @@ from ...http.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from ...http.tenants import TenantMiddleware, Tenants
 from ...http.openapi import build_openapi
 from ...http.tool_parsers import TOOL_PARSERS
-from .args import ServerConfig
+from .args import ServerConfig, server_reasoning_parser
 from .metrics import ServerMetrics
 from .protocol import RequestLimits, max_prompt_chars
 from .routes import RouteGroup, ServerParts, dashboard_routes, kv_event_routes, lora_routes, openai_routes, \
@@ -96,7 +96,8 @@ def _server_parts(engine: LLMEngine, config: ServerConfig) -> ServerParts:
         ServedModels(model_names, engine.list_loras()),
         ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="pagedserve-tokenize"))
     tool_parser = TOOL_PARSERS[config.tool_call_parser] if config.tool_call_parser else None
-    return ServerParts(context, config, metrics, model_names, tool_parser)
+    return ServerParts(context, config, metrics, model_names, tool_parser,
+                       server_reasoning_parser(config.reasoning_parser, engine.tokenizer.chat_template))
 
 
 def _lifespan(context: ServingContext,

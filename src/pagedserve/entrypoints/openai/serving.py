@@ -149,6 +149,7 @@ class ChoiceState:
 
     index: int
     text: list[str] = field(default_factory=list)
+    piece_tokens: list[int] = field(default_factory=list)  # each text piece's token count
     num_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -180,6 +181,7 @@ class ChoiceTracker:
             choice.num_tokens += len(sample.token_ids)
             if self._keep:
                 choice.text.append(sample.text)
+                choice.piece_tokens.append(len(sample.token_ids))
                 choice.token_ids.extend(sample.token_ids)
                 if sample.logprobs:
                     choice.logprobs.extend(sample.logprobs)
@@ -189,6 +191,11 @@ class ChoiceTracker:
         if self._tenant is not None:
             self._tenant.charge_generated(sum(len(sample.token_ids) for sample in delta.samples))
         return touched
+
+    def pieces(self, index: int) -> list[tuple[str, int]]:
+        """Choice `index`'s output as its deltas' (text, token count)."""
+        choice = self.choices[index]
+        return list(zip(choice.text, choice.piece_tokens))
 
     def kv_transfer_field(self) -> dict[str, dict]:
         """The response's top-level kv_transfer_params (a prefill instance's hand-off), if any."""
@@ -250,6 +257,10 @@ class OpenAIServing:
     def resolve_model(self, name: str | None) -> str:
         """The name responses carry (a LoRA adapter's own); 404 for a model this server does not serve."""
         return self.models.resolve(name)
+
+    def encode_marker(self, text: str) -> list[int]:
+        """A reasoning marker's token ids, as the model writes it (ReasoningMarkers)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def lora_of(self, model: str | None) -> str | None:
         """The LoRA adapter a request's `model` runs; None for the base model."""

@@ -1,8 +1,10 @@
-"""POST /v1/chat/completions: the model's own chat template, streamed or not; tool calls (http/tools.py)."""
+"""POST /v1/chat/completions: the model's own chat template, streamed or not; tool calls
+(http/tools.py) and reasoning (http/reasoning.py, docs/reasoning.md)."""
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -12,7 +14,10 @@ from ...engine.async_engine import EngineDeadError, GenerationRequest, RequestSt
 from ...http.disconnect import sse, until_disconnected
 from ...http.errors import APIError
 from ...http.openai_bodies import ChatCompletionRequest
-from ...http.tool_parsers import StreamingToolParser, ToolParser
+from ...http.reasoning import ReasoningPlan, plan_reasoning
+from ...http.reasoning_parsers import PromptReasoning, ReasoningFormat
+from ...http.reply import ReplyParser, parse_reply
+from ...http.tool_parsers import ToolParser
 from ...http.tools import ToolPlan, plan_tools, render_chat_text, template_messages, tool_chat_tokenizer
 from ...model.tokenizer import Tokenizer
 from ...outputs import TokenLogprobs
@@ -23,26 +28,51 @@ from .serving import (SSE_DONE, ChoiceTracker, OpenAIServing, ResponseMeta, Seat
                       collect, engine_failure_event, finite_logprob)
 
 
+@dataclass(frozen=True, slots=True)
+class ChatPlan:
+    """What the server does with a chat request's tools and reasoning."""
+
+    tools: ToolPlan
+    reasoning: ReasoningPlan
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """A chat request handed to the engine."""
+
+    stream: RequestStream
+    params: SamplingParams  # as submitted (max_tokens filled in, the thinking budget resolved)
+    num_prompt_tokens: int
+    reasoning: PromptReasoning | None  # how its replies split (None: not at all)
+
+
 class ChatServing(OpenAIServing):
-    def __init__(self, context: ServingContext, tool_parser: ToolParser | None = None):
+    def __init__(self, context: ServingContext, tool_parser: ToolParser | None = None,
+                 reasoning_parser: ReasoningFormat | None = None):
         super().__init__(context)
         self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
         self._tool_tokenizer: Tokenizer = tool_chat_tokenizer(self.tokenizer, tool_parser)
 
     async def create(self, request: Request) -> Response:
         arrival, req, meta = await self.read_request(request, ChatCompletionRequest, "chatcmpl")
         params, plan = await self.prepare(req)
         with self.admission.admit(1) as seat:
-            stream, params, num_prompt_tokens = await self.submit(req, params, plan, meta.id, arrival, seat)
-            tracker = ChoiceTracker([meta.id], params.n, num_prompt_tokens, keep_output=not req.stream)
+            started = await self.submit(req, params, plan, meta.id, arrival, seat)
+            n = started.params.n
+            tracker = ChoiceTracker([meta.id], n, started.num_prompt_tokens, keep_output=not req.stream)
             top = req.top_logprobs or 0
             if req.stream:
-                return SSEResponse(self._events(stream, tracker, meta, params.n, top, req.include_usage, plan), seat)
-            return await until_disconnected(request, self._respond(stream, tracker, meta, top, plan))
+                parsers = [ReplyParser(started.reasoning, plan.tools.parser) for _ in range(n)]
+                return SSEResponse(self._events(started.stream, tracker, meta, top, req.include_usage, parsers),
+                                   seat)
+            return await until_disconnected(request, self._respond(started, tracker, meta, top, plan.tools))
 
-    async def prepare(self, req: ChatCompletionRequest) -> tuple[SamplingParams, ToolPlan]:
-        """The request's sampling params and tool plan, every problem a 400."""
+    async def prepare(self, req: ChatCompletionRequest) -> tuple[SamplingParams, ChatPlan]:
+        """The request's sampling params, tool plan and reasoning plan, every problem a 400."""
         params = chat_sampling_params(req, self.limits)
+        reasoning = plan_reasoning(self.reasoning_parser, budget=req.thinking_token_budget,
+                                   effort=req.reasoning_effort, template_kwargs=req.chat_template_kwargs)
         plan = await self.off_loop(self.plan_tools, req)
         if plan.constraint is not None:
             constraint_param = structured_output_param(req)
@@ -50,13 +80,15 @@ class ChatServing(OpenAIServing):
                 raise APIError(400, f"tool_choice {req.tool_choice!r} forces a call and cannot be combined with "
                                     f"{constraint_param}", param="tool_choice")
             params = dataclasses.replace(params, structured_outputs=plan.constraint)
-        return params, plan
+        return params, ChatPlan(plan, reasoning)
 
-    async def submit(self, req: ChatCompletionRequest, params: SamplingParams, plan: ToolPlan, request_id: str,
-                     arrival: float, seat: Seat, prefill: str = "") -> tuple[RequestStream, SamplingParams, int]:
-        """Render, check the context and start generating: (stream, final params, prompt length)."""
-        prompt_ids = await self.off_loop(self.render, template_messages(req.messages), True, plan.tools, prefill)
-        await self.compile_constraint(params, structured_output_param(req) if plan.constraint is None else "tools")
+    async def submit(self, req: ChatCompletionRequest, params: SamplingParams, plan: ChatPlan, request_id: str,
+                     arrival: float, seat: Seat, prefill: str = "") -> Started:
+        """Render, check the context and start generating."""
+        text, prompt_ids = await self.off_loop(self.render_prompt, template_messages(req.messages), True,
+                                               plan.tools.tools, prefill, plan.reasoning.template_kwargs)
+        tools = plan.tools
+        await self.compile_constraint(params, structured_output_param(req) if tools.constraint is None else "tools")
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.room_for_output(len(prompt_ids), params.max_tokens, prompt_param="messages",
                                           max_tokens_param=param)
@@ -65,11 +97,13 @@ class ChatServing(OpenAIServing):
                 params = dataclasses.replace(params, max_tokens=max_tokens)
             except ValueError as e:  # min_tokens beyond the room the prompt left
                 raise bad_request(e) from None
+        reasoning = plan.reasoning.for_prompt(text)
+        params = plan.reasoning.apply(params, reasoning, self.encode_marker)
         stream = await self.start(seat, [
             GenerationRequest(request_id, prompt_ids, params, arrival, req.priority, req.cache_salt,
                               req.kv_transfer_params, self.lora_of(req.model))
         ])
-        return stream, params, len(prompt_ids)
+        return Started(stream, params, len(prompt_ids), reasoning)
 
     def plan_tools(self, req: ChatCompletionRequest) -> ToolPlan:
         """The request's tools checked (schemas compiled: CPU work, run in the pool)."""
@@ -79,12 +113,21 @@ class ChatServing(OpenAIServing):
         return plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser, check)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None, prefill: str = "") -> list[int]:
-        """The prompt's token ids; runs in the thread pool (template rendering is CPU work).
-        `prefill` is the start of the reply, written after the generation prompt for the
-        model to continue (Anthropic's final assistant turn)."""
+               tools: list[dict[str, Any]] | None = None, prefill: str = "",
+               template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The prompt's token ids (see `render_prompt`)."""
+        return self.render_prompt(messages, add_generation_prompt, tools, prefill, template_kwargs)[1]
+
+    def render_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                      tools: list[dict[str, Any]] | None = None, prefill: str = "",
+                      template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+        """The prompt's text and token ids; runs in the thread pool (template rendering is
+        CPU work). `prefill` is the start of the reply, written after the generation prompt
+        for the model to continue (Anthropic's final assistant turn); `template_kwargs` are
+        the request's chat_template_kwargs."""
         try:
-            text = render_chat_text(self.tokenizer, self._tool_tokenizer, messages, add_generation_prompt, tools)
+            text = render_chat_text(self.tokenizer, self._tool_tokenizer, messages, add_generation_prompt, tools,
+                                    template_kwargs)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         text += prefill
@@ -92,22 +135,21 @@ class ChatServing(OpenAIServing):
         token_ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not token_ids:
             raise APIError(400, "messages render to an empty prompt", param="messages")
-        return token_ids
+        return text, token_ids
 
-    async def _respond(self, stream: RequestStream, tracker: ChoiceTracker, meta: ResponseMeta, top: int,
+    async def _respond(self, started: Started, tracker: ChoiceTracker, meta: ResponseMeta, top: int,
                        plan: ToolPlan) -> Response:
-        prompt_logprobs = await collect(stream, tracker)
+        prompt_logprobs = await collect(started.stream, tracker)
         choices = []
         for c in tracker.choices:
-            text = "".join(c.text)
-            message: dict[str, Any] = {"role": "assistant", "content": text}
+            reply = parse_reply(tracker.pieces(c.index), started.reasoning, plan.parser)
+            message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+            if self.reasoning_parser is not None:
+                message["reasoning_content"] = reply.reasoning
             finish_reason = c.finish_reason
-            if plan.parser is not None:
-                content, calls = plan.parser.parse(text)
-                if calls:
-                    message = {"role": "assistant", "content": content,
-                               "tool_calls": [call.as_openai() for call in calls]}
-                    finish_reason = _tool_finish_reason(finish_reason)
+            if reply.calls:
+                message["tool_calls"] = [call.as_openai() for call in reply.calls]
+                finish_reason = _tool_finish_reason(finish_reason)
             choices.append({
                 "index": c.index,
                 "message": message,
@@ -121,23 +163,20 @@ class ChatServing(OpenAIServing):
                                        for entry in prompt_logprobs[meta.id]]
         return JSONResponse(body)
 
-    async def _events(self, stream: RequestStream, tracker: ChoiceTracker, meta: ResponseMeta, n: int, top: int,
-                      include_usage: bool, plan: ToolPlan) -> AsyncIterator[str]:
+    async def _events(self, stream: RequestStream, tracker: ChoiceTracker, meta: ResponseMeta, top: int,
+                      include_usage: bool, parsers: list[ReplyParser]) -> AsyncIterator[str]:
         chunk = "chat.completion.chunk"
         # The role first, as OpenAI does: clients see the stream is alive before the first token.
         yield "".join(sse(meta.envelope(chunk, [_chunk_choice(i, {"role": "assistant", "content": ""})]))
-                      for i in range(n))
-        parsers = [plan.parser.stream() for _ in range(n)] if plan.parser is not None else None
+                      for i in range(len(parsers)))
         try:
             async for delta in stream:
                 events = []
                 for choice, sample in tracker.update(delta):
-                    message = {"content": sample.text} if sample.text else {}
-                    finish_reason = sample.finish_reason
-                    if parsers is not None:
-                        message, finish_reason = _tool_delta(parsers[choice.index], sample.text, finish_reason)
+                    message, finish_reason = _reply_delta(parsers[choice.index], sample.text,
+                                                          len(sample.token_ids), sample.finish_reason)
                     if not (message or finish_reason or sample.logprobs):
-                        continue  # text held back (a partial character, stop string or tool-call tag)
+                        continue  # text held back (a partial character, stop string, tool-call tag or marker)
                     logprobs = None
                     if sample.logprobs:
                         logprobs = {"content": _logprobs(sample.logprobs, sample.token_ids, top)}
@@ -158,12 +197,15 @@ def _tool_finish_reason(finish_reason: str | None) -> str | None:
     return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
-def _tool_delta(parser: StreamingToolParser, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
-    """A chunk's delta (content and call pieces) from the next text, and its finish reason."""
-    parsed = parser.feed(text, last=finish_reason is not None)
+def _reply_delta(parser: ReplyParser, text: str, num_tokens: int,
+                 finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """A chunk's delta (reasoning, content and call pieces) from the next text, and its finish reason."""
+    parsed = parser.feed(text, num_tokens, last=finish_reason is not None)
     if finish_reason is not None and parser.num_calls:
         finish_reason = _tool_finish_reason(finish_reason)
-    message: dict[str, Any] = {"content": parsed.content} if parsed.content else {}
+    message: dict[str, Any] = {"reasoning_content": parsed.reasoning} if parsed.reasoning else {}
+    if parsed.content:
+        message["content"] = parsed.content
     if parsed.tool_calls:
         message["tool_calls"] = [piece.as_openai() for piece in parsed.tool_calls]
     return message, finish_reason

@@ -1,4 +1,8 @@
-"""POST /v1/completions: one choice block per prompt, n choices each, streamed or not."""
+"""POST /v1/completions: one choice block per prompt, n choices each, streamed or not.
+
+The text comes back whole, reasoning and all (as vLLM's completions do); a
+thinking_token_budget is applied to each prompt as its text leaves the reasoning
+section (open or not)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
@@ -12,9 +16,11 @@ from ...engine.async_engine import EngineDeadError, GenerationRequest, RequestSt
 from ...http.disconnect import sse, until_disconnected
 from ...http.errors import APIError
 from ...http.openai_bodies import CompletionRequest, Prompt, check_token_ids, completion_prompts
+from ...http.reasoning import plan_reasoning
+from ...http.reasoning_parsers import ReasoningFormat
 from ...outputs import SampleDelta, TokenLogprobs
 from .protocol import check_prompt_chars, completion_sampling_params, structured_output_param
-from .serving import SSE_DONE, ChoiceTracker, OpenAIServing, ResponseMeta, SSEResponse, collect, \
+from .serving import SSE_DONE, ChoiceTracker, OpenAIServing, ResponseMeta, ServingContext, SSEResponse, collect, \
     engine_failure_event, finite_logprob
 
 
@@ -22,12 +28,21 @@ from .serving import SSE_DONE, ChoiceTracker, OpenAIServing, ResponseMeta, SSERe
 class _Prepared:
     token_ids: list[int]
     echo: str  # the prompt text to prepend, "" without echo
+    text: str | None  # the prompt's text (None: given as token ids)
 
 
 class CompletionServing(OpenAIServing):
+    def __init__(self, context: ServingContext, reasoning_parser: ReasoningFormat | None = None):
+        super().__init__(context)
+        self.reasoning_parser = reasoning_parser
+
     async def create(self, request: Request) -> Response:
         arrival, req, meta = await self.read_request(request, CompletionRequest, "cmpl")
         params = completion_sampling_params(req, self.limits)
+        if req.thinking_token_budget is not None and req.use_beam_search:
+            raise APIError(400, "thinking_token_budget is not supported with use_beam_search",
+                           param="thinking_token_budget")
+        reasoning = plan_reasoning(self.reasoning_parser, budget=req.thinking_token_budget)
         prompts = completion_prompts(req.prompt)
         if req.kv_transfer_params is not None and len(prompts) != 1:
             raise APIError(400, "kv_transfer_params goes with one prompt", param="kv_transfer_params")
@@ -40,10 +55,16 @@ class CompletionServing(OpenAIServing):
             for p in prepared:
                 self.room_for_output(len(p.token_ids), params.max_tokens)
             ids = [f"{meta.id}-{i}" for i in range(len(prepared))]
+            texts = [p.text for p in prepared]
+            if reasoning.budget is not None:
+                texts = [t if t is not None else await self.off_loop(self.tokenizer.decode, p.token_ids)
+                         for t, p in zip(texts, prepared)]
             stream = await self.start(seat, [
-                GenerationRequest(rid, p.token_ids, params, arrival, req.priority, req.cache_salt,
-                                  req.kv_transfer_params, self.lora_of(meta.model))
-                for rid, p in zip(ids, prepared)
+                GenerationRequest(rid, p.token_ids,
+                                  reasoning.apply(params, reasoning.for_prompt(text or ""), self.encode_marker),
+                                  arrival, req.priority, req.cache_salt, req.kv_transfer_params,
+                                  self.lora_of(meta.model))
+                for rid, p, text in zip(ids, prepared, texts)
             ])
             tracker = ChoiceTracker(ids, params.n, sum(len(p.token_ids) for p in prepared), keep_output=not req.stream)
             # max_tokens 0 (prompt scoring): the one token the engine samples is not shown.
@@ -71,7 +92,7 @@ class CompletionServing(OpenAIServing):
                 echo_text = self.tokenizer.decode(token_ids) if echo else ""
             if not token_ids:
                 raise APIError(400, f"{param} must not be empty", param="prompt")
-            out.append(_Prepared(token_ids, echo_text if echo else ""))
+            out.append(_Prepared(token_ids, echo_text if echo else "", prompt if isinstance(prompt, str) else None))
         return out
 
     async def _respond(self, stream: RequestStream, tracker: ChoiceTracker, meta: ResponseMeta,

@@ -5,12 +5,14 @@ the assistant's tool_calls, tool_result blocks -> tool messages, `tools` / `tool
 `stop_sequences` / `output_config.format` -> chat's, a final assistant turn -> text after
 the generation prompt), so the template, sampling, stop strings, tool calls, structured
 output and admission are the chat endpoint's. The reply becomes a message of text and
-tool_use blocks, or Anthropic's event stream. Errors on these routes take Anthropic's shape
+tool_use blocks (after a thinking block, when the request enables thinking), or
+Anthropic's event stream. Errors on these routes take Anthropic's shape
 (http/errors.py), the key comes as x-api-key or a bearer token (middleware.py), and
 the anthropic-version header is accepted whatever it says.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,27 +24,30 @@ from starlette.responses import JSONResponse, Response
 
 from ...engine.async_engine import EngineDeadError, RequestStream
 from ...http.anthropic_bodies import STREAM_EVENTS, AnthropicErrorResponse, ContentBlockParam, CountTokensRequest, \
-    CountTokensResponse, Message, MessagesPrompt, MessagesRequest, OutputConfig, TextBlockParam, ToolChoice, \
-    ToolChoiceAny, ToolChoiceNone, ToolChoiceTool, ToolParam, ToolResultBlockParam, ToolUseBlockParam
+    CountTokensResponse, Message, MessagesPrompt, MessagesRequest, OutputConfig, RedactedThinkingBlockParam, \
+    TextBlockParam, ThinkingBlockParam, ThinkingConfigDisabled, ThinkingConfigEnabled, ToolChoice, ToolChoiceAny, \
+    ToolChoiceNone, ToolChoiceTool, ToolParam, ToolResultBlockParam, ToolUseBlockParam
 from ...http.disconnect import named_sse, until_disconnected
 from ...http.errors import APIError
 from ...http.json_body import StrictModel, parse_body, validation_error
 from ...http.openai_bodies import ChatCompletionRequest
 from ...http.openapi import anthropic_responses, post_route
+from ...http.reply import ReplyParser, parse_reply
 from ...http.tool_parsers import ToolCallDelta
-from ...http.tools import ToolPlan, template_messages
+from ...http.tools import template_messages
 from ...sampling_params import SamplingParams
 from .routes import ServerParts
 from .serving import ChoiceTracker, SSEResponse, collect, engine_error
-from .serving_chat import ChatServing
+from .serving_chat import ChatPlan, ChatServing, Started
 
 # Chat's field names in the errors found on the chat side -> the Messages fields they stand for.
-_FIELD_NAMES = {".function.parameters": ".input_schema", "response_format": "output_config.format"}
+_FIELD_NAMES = {".function.parameters": ".input_schema", "response_format": "output_config.format",
+                "thinking_token_budget": "thinking.budget_tokens"}
 
 
 def messages_routes(app: FastAPI, parts: ServerParts) -> list[type[StrictModel]]:
     """The Anthropic routes; returns their request models for the document."""
-    messages = MessagesServing(parts.context, tool_parser=parts.tool_parser)
+    messages = MessagesServing(parts.context, tool_parser=parts.tool_parser, reasoning_parser=parts.reasoning_parser)
 
     post_route(app, "/v1/messages", MessagesRequest, anthropic_responses(Message, AnthropicErrorResponse, STREAM_EVENTS),
                "create_message", messages.create)
@@ -59,18 +64,19 @@ class MessagesServing(ChatServing):
         chat = chat_request(req, {"max_tokens": req.max_tokens, "stop": req.stop_sequences,
                                   "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
                                   "response_format": _response_format(req.output_config),
-                                  "priority": req.priority})
+                                  "priority": req.priority, **_thinking(req)})
         prefill = _prefill(req)
         params, plan = await self.checked(chat)
         message_id = f"msg_{meta.id.rpartition('-')[2]}"
         envelope = {"id": message_id, "type": "message", "role": "assistant", "model": meta.model}
+        thinking = isinstance(req.thinking, ThinkingConfigEnabled)
         with self.admission.admit(1) as seat:
-            stream, params, num_prompt_tokens = await self.submit(chat, params, plan, message_id, arrival, seat,
-                                                                  prefill)
-            tracker = ChoiceTracker([message_id], 1, num_prompt_tokens, keep_output=not req.stream)
+            started = await self.submit(chat, params, plan, message_id, arrival, seat, prefill)
+            tracker = ChoiceTracker([message_id], 1, started.num_prompt_tokens, keep_output=not req.stream)
             if req.stream:
-                return SSEResponse(self._events(stream, tracker, envelope, plan), seat)
-            return await until_disconnected(request, self._message(stream, tracker, envelope, plan))
+                parser = ReplyParser(started.reasoning, plan.tools.parser)
+                return SSEResponse(self._events(started.stream, tracker, envelope, parser, thinking), seat)
+            return await until_disconnected(request, self._message(started, tracker, envelope, plan, thinking))
 
     async def count_tokens(self, request: Request) -> JSONResponse:
         """The input_tokens a /v1/messages request with this prompt would have."""
@@ -78,10 +84,10 @@ class MessagesServing(ChatServing):
         self.resolve_model(req.model)
         chat, prefill = chat_request(req, {}), _prefill(req)
         _, plan = await self.checked(chat)
-        tokens = await self.off_loop(self.render, template_messages(chat.messages), True, plan.tools, prefill)
+        tokens = await self.off_loop(self.render, template_messages(chat.messages), True, plan.tools.tools, prefill)
         return JSONResponse({"input_tokens": len(tokens)})
 
-    async def checked(self, chat: ChatCompletionRequest) -> tuple[SamplingParams, ToolPlan]:
+    async def checked(self, chat: ChatCompletionRequest) -> tuple[SamplingParams, ChatPlan]:
         """`prepare`, its 400s naming the fields a Messages client wrote."""
         try:
             return await self.prepare(chat)
@@ -90,42 +96,39 @@ class MessagesServing(ChatServing):
                 e.message = e.message.replace(chat_name, name)
             raise
 
-    async def _message(self, stream: RequestStream, tracker: ChoiceTracker, envelope: dict[str, Any],
-                       plan: ToolPlan) -> Response:
-        await collect(stream, tracker)
+    async def _message(self, started: Started, tracker: ChoiceTracker, envelope: dict[str, Any],
+                       plan: ChatPlan, thinking: bool) -> Response:
+        await collect(started.stream, tracker)
         choice = tracker.choices[0]
-        text = "".join(choice.text)
-        content, calls = plan.parser.parse(text) if plan.parser is not None else (text, [])
-        blocks = [{"type": "text", "text": content}] if content else []
+        reply = parse_reply(tracker.pieces(0), started.reasoning, plan.tools.parser)
+        blocks = [_thinking_block(reply.reasoning)] if thinking and reply.reasoning else []
+        blocks += [{"type": "text", "text": reply.content}] if reply.content else []
         blocks += [{"type": "tool_use", "id": _tool_use_id(call.id), "name": call.name,
-                    "input": json.loads(call.arguments)} for call in calls]
+                    "input": json.loads(call.arguments)} for call in reply.calls]
         return JSONResponse({**envelope, "content": blocks,
-                             **_stop(choice.finish_reason, choice.stop_reason, bool(calls)),
+                             **_stop(choice.finish_reason, choice.stop_reason, bool(reply.calls)),
                              "usage": {"input_tokens": tracker.num_prompt_tokens, "output_tokens": choice.num_tokens}})
 
     async def _events(self, stream: RequestStream, tracker: ChoiceTracker, envelope: dict[str, Any],
-                      plan: ToolPlan) -> AsyncIterator[str]:
+                      parser: ReplyParser, thinking: bool) -> AsyncIterator[str]:
         usage = {"input_tokens": tracker.num_prompt_tokens, "output_tokens": 0}
         yield named_sse({"type": "message_start", "message": {**envelope, "content": [], "stop_reason": None,
                                                             "stop_sequence": None, "usage": usage}})
         blocks = _StreamedBlocks()
-        parser = plan.parser.stream() if plan.parser is not None else None
         choice = tracker.choices[0]
         try:
             async for delta in stream:
                 for _, sample in tracker.update(delta):
-                    if parser is None:
-                        out = blocks.text(sample.text)
-                    else:
-                        parsed = parser.feed(sample.text, last=sample.finish_reason is not None)
-                        out = blocks.text(parsed.content) + blocks.calls(parsed.tool_calls)
+                    parsed = parser.feed(sample.text, len(sample.token_ids), sample.finish_reason is not None)
+                    out = blocks.thinking(parsed.reasoning) if thinking else []
+                    out += blocks.text(parsed.content) + blocks.calls(parsed.tool_calls)
                     if out:
                         yield "".join(out)
         except EngineDeadError as e:
             yield named_sse(engine_error(e).anthropic_body())
             return
         try:
-            stop = _stop(choice.finish_reason, choice.stop_reason, parser is not None and parser.num_calls > 0)
+            stop = _stop(choice.finish_reason, choice.stop_reason, parser.num_calls > 0)
         except APIError as e:
             yield named_sse(e.anthropic_body())
             return
@@ -166,6 +169,29 @@ def _chat_messages(req: MessagesPrompt) -> list[dict[str, Any]]:
     return out
 
 
+def _thinking(req: MessagesRequest) -> dict[str, Any]:
+    """`thinking` as chat fields: enabled -> the budget (Anthropic's bounds checked here),
+    disabled -> the template's enable_thinking switch off."""
+    if isinstance(req.thinking, ThinkingConfigDisabled):
+        return {"chat_template_kwargs": {"enable_thinking": False}}
+    if not isinstance(req.thinking, ThinkingConfigEnabled):
+        return {}
+    if req.thinking.budget_tokens >= req.max_tokens:
+        raise APIError(400, f"max_tokens must be greater than thinking.budget_tokens ({req.thinking.budget_tokens}), "
+                            f"got {req.max_tokens}", param="thinking")
+    return {"thinking_token_budget": req.thinking.budget_tokens}
+
+
+def _thinking_block(text: str) -> dict[str, str]:
+    return {"type": "thinking", "thinking": text, "signature": _signature(text)}
+
+
+def _signature(text: str) -> str:
+    """A stable checksum of a thinking block (Anthropic's is an opaque verification token;
+    this server verifies nothing it is sent back)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 def _prefill(req: MessagesPrompt) -> str:
     """A final assistant turn's text: the start of the reply, which the model continues
     (the reply holds only what follows it); "" when the user spoke last."""
@@ -197,6 +223,8 @@ def _assistant(content: str | list[ContentBlockParam], index: int) -> dict[str, 
         if isinstance(block, ToolUseBlockParam):
             calls.append({"id": block.id, "type": "function", "function": {"name": block.name,
                                                                            "arguments": block.input}})
+        elif isinstance(block, (ThinkingBlockParam, RedactedThinkingBlockParam)):
+            continue  # an earlier reply's reasoning: templates leave it out of the prompt
         elif isinstance(block, ToolResultBlockParam):
             raise APIError(400, f"messages[{index}].content[{j}]: tool_result blocks belong in user turns")
         else:
@@ -215,8 +243,8 @@ def _user(content: str | list[ContentBlockParam], index: int, calls: set[str]) -
     texts: list[TextBlockParam] = []
     for j, block in enumerate(content):
         where = f"messages[{index}].content[{j}]"
-        if isinstance(block, ToolUseBlockParam):
-            raise APIError(400, f"{where}: tool_use blocks belong in assistant turns")
+        if isinstance(block, (ToolUseBlockParam, ThinkingBlockParam, RedactedThinkingBlockParam)):
+            raise APIError(400, f"{where}: {block.type} blocks belong in assistant turns")
         if isinstance(block, TextBlockParam):
             texts.append(block)
             continue
@@ -277,12 +305,21 @@ def _stop(finish_reason: str | None, stop_reason: int | str | None, called: bool
 
 
 class _StreamedBlocks:
-    """Opens, fills and closes content blocks as text and call pieces arrive: a text
+    """Opens, fills and closes content blocks as reasoning, text and call pieces arrive:
+    a thinking block while reasoning comes (its signature sent as it closes), a text
     block while text comes, a tool_use block per call."""
 
     def __init__(self) -> None:
         self._count = 0  # blocks started; the open one (if any) is the last
         self._open: str | None = None  # the open block's type
+        self._thought: list[str] = []  # the thinking block's text so far
+
+    def thinking(self, piece: str) -> list[str]:
+        if not piece:
+            return []
+        out = [] if self._open == "thinking" else self._start({"type": "thinking", "thinking": "", "signature": ""})
+        self._thought.append(piece)
+        return out + [self._delta({"type": "thinking_delta", "thinking": piece})]
 
     def text(self, piece: str) -> list[str]:
         if not piece:
@@ -303,8 +340,11 @@ class _StreamedBlocks:
     def close(self) -> list[str]:
         if self._open is None:
             return []
+        out = []
+        if self._open == "thinking":
+            out.append(self._delta({"type": "signature_delta", "signature": _signature("".join(self._thought))}))
         self._open = None
-        return [named_sse({"type": "content_block_stop", "index": self._count - 1})]
+        return out + [named_sse({"type": "content_block_stop", "index": self._count - 1})]
 
     def _start(self, block: dict[str, Any]) -> list[str]:
         out = self.close()

@@ -2,7 +2,11 @@
 
 A request becomes a chat request (input items -> messages, `instructions` -> a system
 message first, `text.format` -> response_format, flat function tools -> chat tools),
-so sampling, tools and structured output behave as on /v1/chat/completions.
+so sampling, tools, structured output and reasoning behave as on /v1/chat/completions.
+A reasoning model's reasoning comes as a `reasoning` output item before the message
+(its text in `content`, `summary` empty: nothing summarises it), counted in
+usage.output_tokens_details.reasoning_tokens; `reasoning.effort` is chat's
+reasoning_effort (docs/reasoning.md).
 
 Nothing is stored: every response says `"store": false`, `previous_response_id`
 gets a 400 (there is no earlier response to continue; send the whole conversation
@@ -25,13 +29,15 @@ from ...http.disconnect import until_disconnected
 from ...http.errors import APIError
 from ...http.json_body import validation_error
 from ...http.openai_bodies import ChatCompletionRequest, ResponsesRequest
+from ...http.reply import ReplyParser, parse_reply
 from ...http.tool_parsers import ToolCall, ToolCallDelta
 from ...http.tools import ToolPlan
 from .serving import ChoiceTracker, SSEResponse, collect, engine_error
-from .serving_chat import ChatServing
+from .serving_chat import ChatServing, Started
 
 # Chat field -> the Responses field a client wrote, for errors found on the chat side.
-_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text"}
+_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text",
+           "reasoning_effort": "reasoning"}
 
 
 def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
@@ -47,11 +53,22 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         "tools": [_chat_tool(tool, i) for i, tool in enumerate(req.tools)] if req.tools else None,
         "tool_choice": _chat_tool_choice(req.tool_choice), "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": _response_format(req.text), "priority": req.priority,
+        "reasoning_effort": _effort(req.reasoning), "thinking_token_budget": req.thinking_token_budget,
     }
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
     except ValidationError as e:
         raise validation_error(e) from None
+
+
+def _effort(reasoning: dict[str, Any] | None) -> Any:
+    """reasoning.effort (chat's reasoning_effort checks it); summary is accepted and has no effect."""
+    if reasoning is None:
+        return None
+    unknown = set(reasoning) - {"effort", "summary", "generate_summary"}
+    if unknown:
+        raise APIError(400, f"reasoning takes effort and summary, got {', '.join(sorted(unknown))}", param="reasoning")
+    return reasoning.get("effort")
 
 
 def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -80,14 +97,16 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 previous["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "reasoning":
+            continue  # an earlier turn's reasoning: templates leave it out of the prompt
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(output, str):
                 raise APIError(400, f"input[{i}].output must be a string", param="input")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
         else:
-            raise APIError(400, f"input[{i}].type {kind!r} is not supported (message, function_call and "
-                                "function_call_output are)", param="input")
+            raise APIError(400, f"input[{i}].type {kind!r} is not supported (message, function_call, "
+                                "function_call_output and reasoning are)", param="input")
     return messages
 
 
@@ -128,14 +147,19 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 @dataclass(slots=True)
 class _Output:
-    """The response's output items as they are built: text message and function calls."""
+    """The response's output items as they are built: reasoning, text message and function calls."""
 
     text: list[str] = field(default_factory=list)
     calls: list[ToolCall] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    reasoning_tokens: int = 0
     message_id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
+    reasoning_id: str = field(default_factory=lambda: f"rs_{uuid.uuid4().hex}")
 
     def items(self, status: str) -> list[dict[str, Any]]:
         out = []
+        if self.reasoning:
+            out.append(_reasoning_item(self.reasoning_id, "".join(self.reasoning), status))
         if self.text:
             out.append(_message_item(self.message_id, "".join(self.text), status))
         out += [_call_item(call, status) for call in self.calls]
@@ -145,6 +169,11 @@ class _Output:
 def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def _reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [], "content": content}
 
 
 def _call_item(call: ToolCall, status: str) -> dict[str, Any]:
@@ -170,51 +199,51 @@ class ResponsesServing(ChatServing):
             "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
             "parallel_tool_calls": req.parallel_tool_calls, "text": req.text or {"format": {"type": "text"}},
             "store": False, "previous_response_id": None, "metadata": req.metadata or {},
-            "truncation": "disabled", "error": None, "incomplete_details": None,
+            "truncation": "disabled", "error": None, "incomplete_details": None, "reasoning": req.reasoning,
         }
         with self.admission.admit(1) as seat:
-            stream, params, num_prompt_tokens = await self.submit(chat, params, plan, response_id, arrival, seat)
-            tracker = ChoiceTracker([response_id], 1, num_prompt_tokens, keep_output=True)
+            started = await self.submit(chat, params, plan, response_id, arrival, seat)
+            tracker = ChoiceTracker([response_id], 1, started.num_prompt_tokens, keep_output=True)
             if req.stream:
-                return SSEResponse(self._response_events(stream, tracker, envelope, plan), seat)
-            return await until_disconnected(request, self._response(stream, tracker, envelope, plan))
+                parser = ReplyParser(started.reasoning, plan.tools.parser)
+                return SSEResponse(self._response_events(started.stream, tracker, envelope, parser), seat)
+            return await until_disconnected(request, self._response(started, tracker, envelope, plan.tools))
 
-    async def _response(self, stream: RequestStream, tracker: ChoiceTracker, envelope: dict[str, Any],
+    async def _response(self, started: Started, tracker: ChoiceTracker, envelope: dict[str, Any],
                         plan: ToolPlan) -> Response:
-        await collect(stream, tracker)
-        choice = tracker.choices[0]
-        text = "".join(choice.text)
-        output = _Output()
-        content, output.calls = plan.parser.parse(text) if plan.parser is not None else (text, [])
-        if content:
-            output.text.append(content)
-        return JSONResponse(_finished(envelope, output, choice.finish_reason, tracker))
+        await collect(started.stream, tracker)
+        reply = parse_reply(tracker.pieces(0), started.reasoning, plan.parser)
+        output = _Output(calls=reply.calls, reasoning_tokens=reply.reasoning_tokens)
+        if reply.reasoning:
+            output.reasoning.append(reply.reasoning)
+        if reply.content:
+            output.text.append(reply.content)
+        return JSONResponse(_finished(envelope, output, tracker.choices[0].finish_reason, tracker))
 
     async def _response_events(self, stream: RequestStream, tracker: ChoiceTracker, envelope: dict[str, Any],
-                               plan: ToolPlan) -> AsyncIterator[str]:
+                               parser: ReplyParser) -> AsyncIterator[str]:
         events = _EventWriter()
         yield events.send("response.created", response={**envelope, "status": "in_progress", "output": []})
         yield events.send("response.in_progress", response={**envelope, "status": "in_progress", "output": []})
         output = _Output()
         items = _StreamedItems(events, output)
-        parser = plan.parser.stream() if plan.parser is not None else None
         finish_reason = None
         try:
             async for delta in stream:
                 for _, sample in tracker.update(delta):
                     last = sample.finish_reason is not None
-                    parsed = parser.feed(sample.text, last=last) if parser is not None else None
+                    parsed = parser.feed(sample.text, len(sample.token_ids), last)
                     if last:
                         finish_reason = sample.finish_reason
-                    chunk = "".join(items.text(parsed.content if parsed is not None else sample.text))
-                    if parsed is not None:
-                        chunk += "".join(items.calls(parsed.tool_calls))
+                    chunk = "".join([*items.reasoning(parsed.reasoning), *items.text(parsed.content),
+                                     *items.calls(parsed.tool_calls)])
                     if chunk:
                         yield chunk
         except EngineDeadError as e:
             error = engine_error(e)
             yield events.send("error", code=error.code, message=error.message, param=None)
             return
+        output.reasoning_tokens = parser.reasoning_tokens
         yield "".join(items.close())
         yield events.send("response.completed", response=_finished(envelope, output, finish_reason, tracker))
 
@@ -227,7 +256,7 @@ def _finished(envelope: dict[str, Any], output: _Output, finish_reason: str | No
         **envelope, "status": "incomplete" if incomplete else "completed", "output": output.items("completed"),
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "usage": {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
-                  "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                  "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": output.reasoning_tokens},
                   "total_tokens": usage["total_tokens"]},
     }
 
@@ -250,13 +279,45 @@ class _StreamedItems:
     def __init__(self, events: _EventWriter, output: _Output):
         self._events, self._output = events, output
         self._message_index: int | None = None  # the text message's output index, once opened
+        self._reasoning_index: int | None = None  # the reasoning item's, once opened
+        self._reasoning_open = False
         self._call_index: dict[int, int] = {}  # call number -> output index
         self._num_items = 0
+
+    def reasoning(self, piece: str) -> list[str]:
+        if not piece:
+            return []
+        out = []
+        ids = {"item_id": self._output.reasoning_id, "content_index": 0}
+        if self._reasoning_index is None:
+            self._reasoning_index = self._num_items
+            self._reasoning_open = True
+            self._num_items += 1
+            out.append(self._events.send("response.output_item.added", output_index=self._reasoning_index,
+                                         item=_reasoning_item(self._output.reasoning_id, None, "in_progress")))
+            out.append(self._events.send("response.content_part.added", output_index=self._reasoning_index, **ids,
+                                         part={"type": "reasoning_text", "text": ""}))
+        self._output.reasoning.append(piece)
+        out.append(self._events.send("response.reasoning_text.delta", output_index=self._reasoning_index, **ids,
+                                     delta=piece))
+        return out
+
+    def _close_reasoning(self) -> list[str]:
+        """The reasoning item's done events, once: when the answer starts or the response ends."""
+        if not self._reasoning_open:
+            return []
+        self._reasoning_open = False
+        text = "".join(self._output.reasoning)
+        ids = {"item_id": self._output.reasoning_id, "output_index": self._reasoning_index, "content_index": 0}
+        return [self._events.send("response.reasoning_text.done", **ids, text=text),
+                self._events.send("response.content_part.done", **ids, part={"type": "reasoning_text", "text": text}),
+                self._events.send("response.output_item.done", output_index=self._reasoning_index,
+                                  item=_reasoning_item(self._output.reasoning_id, text, "completed"))]
 
     def text(self, piece: str) -> list[str]:
         if not piece:
             return []
-        out = []
+        out = self._close_reasoning()
         ids = {"item_id": self._output.message_id, "content_index": 0}
         if self._message_index is None:
             self._message_index = self._num_items
@@ -271,7 +332,7 @@ class _StreamedItems:
         return out
 
     def calls(self, pieces: list[ToolCallDelta]) -> list[str]:
-        out = []
+        out = self._close_reasoning() if pieces else []
         for piece in pieces:
             if piece.id is not None:
                 self._call_index[piece.index] = self._num_items
@@ -289,7 +350,7 @@ class _StreamedItems:
         return out
 
     def close(self) -> list[str]:
-        out = []
+        out = self._close_reasoning()
         if self._message_index is not None:
             text = "".join(self._output.text)
             ids = {"item_id": self._output.message_id, "output_index": self._message_index, "content_index": 0}
