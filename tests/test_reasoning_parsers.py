@@ -156,10 +156,11 @@ def test_sampling_params_reasoning_fields():
     markers = ReasoningMarkers((5, 6), False, (4,))
     params = SamplingParams(thinking_token_budget=0, reasoning=markers)
     assert params.thinking_token_budget == 0 and params.reasoning == markers
-    assert SamplingParams(thinking_token_budget=MAX_THINKING_TOKEN_BUDGET).thinking_token_budget == 10**9
+    assert SamplingParams(thinking_token_budget=MAX_THINKING_TOKEN_BUDGET,
+                          reasoning=markers).thinking_token_budget == 10**9
     for bad in (-1, MAX_THINKING_TOKEN_BUDGET + 1, 10**12, 1.5, True):
         with pytest.raises(ValueError, match="^thinking_token_budget"):
-            SamplingParams(thinking_token_budget=bad)
+            SamplingParams(thinking_token_budget=bad, reasoning=markers)
     with pytest.raises(ValueError, match="^reasoning"):
         SamplingParams(reasoning=(5, 6))
 
