@@ -209,3 +209,36 @@ def test_without_a_reasoning_parser_budgets_are_400(tmp_path, server_logs):
             assert "thinking.budget_tokens" in r.json()["error"]["message"]
     finally:
         proc.stop()
+
+
+def _tokens(server: ServerProcess, text: str) -> list[int]:
+    r = httpx.post(server.url + "/tokenize", json={"model": "m", "prompt": text, "add_special_tokens": False},
+                   timeout=60)
+    return r.json()["tokens"]
+
+
+def _text(server: ServerProcess, tokens: list[int]) -> str:
+    return httpx.post(server.url + "/detokenize", json={"model": "m", "tokens": tokens}, timeout=60).json()["prompt"]
+
+
+@pytest.mark.parametrize("budget", [0, 3])
+def test_the_budget_ends_the_thinking_through_the_api(oai, reasoning_server, budget):
+    """The engine closes the section after `budget` reasoning tokens; the bigram model then
+    answers as it would after its own </think>."""
+    _, server, _ = reasoning_server
+    expected = _text(server, _tokens(server, REASONING)[:budget])
+    message = oai.chat.completions.create(model="m", messages=HELLO, max_tokens=40,
+                                          extra_body={"thinking_token_budget": budget}).choices[0].message
+    assert (message.reasoning_content or "") == expected and message.content == ANSWER
+
+
+def test_structured_output_constrains_only_the_answer(oai):
+    """The reasoning stays the model's own free text (a JSON grammar would have refused
+    it); the answer after it obeys the schema."""
+    schema = {"type": "string", "enum": ["yes", "no"]}
+    fields = dict(model="m", messages=HELLO, max_tokens=60,
+                  response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    message = oai.chat.completions.create(**fields).choices[0].message
+    assert message.reasoning_content == REASONING and message.content in ('"yes"', '"no"')
+    capped = oai.chat.completions.create(**fields, extra_body={"thinking_token_budget": 2}).choices[0].message
+    assert capped.content in ('"yes"', '"no"') and REASONING.startswith(capped.reasoning_content)
