@@ -275,6 +275,8 @@ def test_the_check_sees_a_long_function_and_a_reason(tmp_path: Path):
     reason = f"// Adds one.\n//\n// {EXEMPT} its loop is one unrolled pipeline that\n// a split would break.\n"
     (root / "k.cpp").write_text(f"{reason}{long}")
     assert long_functions(root) == []
+    (root / "k.cpp").write_text(f"/* {EXEMPT} its loop is one unrolled pipeline that\n * a split would break. */\n{long}")
+    assert long_functions(root) == []
     (root / "k.cpp").write_text(f"// {EXEMPT} it is.\n{long}")
     assert long_functions(root) == [f"csrc/k.cpp:2 long_one ({MAX_LINES + 2} lines)"]
     (root / "k.cpp").write_text(f"{reason}\n{long}")  # a blank line: the comment is not the function's
