@@ -250,8 +250,7 @@ template <class L, int NV, int R, typename S>
 }
 
 // The functions below are not inlined: they run only where the CPU has AVX-512, and
-// the lambdas of attend_rows's passes (score_blocks, value_blocks) that call them may be
-// compiled for AVX2.
+// the lambdas of attend_rows that call them may be compiled for AVX2.
 // A block's first `count` rows of one head (a multiple of 16, fp32, stride token_stride)
 // as [keys / 16][d][16]: each dimension of 16 keys in one zmm. 8 x 8 tiles through registers.
 __attribute__((target("avx512f,avx512vl"))) void transpose_keys(const float* keys, int64_t token_stride,
@@ -406,41 +405,40 @@ inline int64_t window_start(const Problem& p, int64_t pos) {
   std::fill(s, s + std::min(n, std::max<int64_t>(0, first_visible)), kNegInf);
 }
 
-// One tile's query rows against one partition's keys [key_begin, key_end): what
-// attend_rows's passes share. Rows are ordered as row_index orders them, per_kv of them to
-// a KV head; T is the cache's element type, RB the rows a group of attend_rows takes.
-template <typename T, int RB>
-struct TileKeys {
-  const Problem& p;
-  int64_t key_begin, key_end;
-  int64_t d, g, bs, start, qlen, per_kv, rows, first_pos, sstride, span;
-  const int64_t* table;
-
-  [[gnu::always_inline]] TileKeys(const Problem& p, const Tile& tile, int64_t key_begin, int64_t key_end)
-      : p(p), key_begin(key_begin), key_end(key_end), d(p.head_dim), g(p.group), bs(p.block_size),
-        start(p.query_start[tile.seq] + tile.token_begin), qlen(tile.tokens), per_kv(qlen * g),
-        rows(per_kv * p.num_kv_heads),
-        first_pos(p.seq_lens[tile.seq] - (p.query_start[tile.seq + 1] - p.query_start[tile.seq]) + tile.token_begin),
-        sstride(p.partition_keys + 8), span(key_end - key_begin), table(p.tables + tile.seq * p.table_stride) {}
-
-  // Keys of the block at b0 (n of them) that query row r may see (causal within the new tokens).
-  [[gnu::always_inline]] int64_t visible(int64_t r, int64_t b0, int64_t n) const {
-    const int64_t token = (r % per_kv) / g;
-    return std::max<int64_t>(0, std::min(n, first_pos + token - b0 + 1));
+// Softmax attention of one tile of a sequence's query tokens over keys [key_begin,
+// key_end) (one partition), every KV head: leaves the unnormalised output in acc [rows][head_dim], the max and
+// sum per row. A first pass over the partition's blocks writes every row's scores, one
+// max/exp per row follows, then a second pass accumulates V. Each pass walks the
+// blocks in order, so each block's K (then V) rows are read from memory once for all
+// the query rows of the sequence, and from L1 once per group of RB rows of a KV head.
+// A narrow cache is widened as it is read when a KV head has at most kWidenRows rows;
+// otherwise each block's rows of a head are widened once into kvbuf for every group.
+// scores holds rows x (partition_keys + 8) floats.
+//
+// Over 80 lines because a split of its passes into inlined helpers over a shared struct
+// made GCC 12 drop every prefetch_head of the op (no prefetch instruction left in the
+// object), the bits unchanged: kept whole until a split keeps them.
+template <int NV, typename T, int RB, bool Wide>
+[[gnu::always_inline]] inline void attend_rows(const Problem& p, const Tile& tile, int64_t key_begin,
+                                               int64_t key_end, float* acc, float* row_max, float* row_sum, float* qbuf, float* kvbuf,
+                                               float* scores) {
+  const int64_t d = p.head_dim, g = p.group, bs = p.block_size;
+  const int64_t seq = tile.seq, start = p.query_start[seq] + tile.token_begin, qlen = tile.tokens;
+  const int64_t per_kv = qlen * g, rows = per_kv * p.num_kv_heads;
+  const int64_t first_pos = p.seq_lens[seq] - (p.query_start[seq + 1] - p.query_start[seq]) + tile.token_begin;
+  const int64_t sstride = p.partition_keys + 8, span = key_end - key_begin;
+  for (int64_t r = 0; r < rows; ++r) {
+    const RowIndex ri = row_index(r, qlen, g);
+    const float* src = p.q + (start + ri.token) * p.q_token_stride + ri.head * p.q_head_stride;
+    for (int64_t i = 0; i < d; ++i) qbuf[r * d + i] = src[i] * p.scale;
+    std::fill_n(acc + r * d, d, 0.0f);
+    row_max[r] = kNegInf;
+    row_sum[r] = 0.0f;
   }
-
-  // f(std::integral_constant<int, R>, first row) for KV head kv's rows in groups of up to RB.
-  template <typename F>
-  [[gnu::always_inline]] void for_groups(int64_t kv, F&& f) const {
-    for (int64_t r0 = kv * per_kv, end = r0 + per_kv; r0 < end; r0 += RB)
-      with_rows<RB>(end - r0, [&](auto R) { f(R, r0); });
-  }
-
+  const int64_t* table = p.tables + seq * p.table_stride;
   // f(rows, stride) with the block's first `count` rows of KV head kv: in place, or
   // widened into kvbuf when more than kWidenRows rows will read them.
-  template <typename F>
-  [[gnu::always_inline]] void with_head_rows(const void* plane, int64_t block, int64_t kv, int64_t count,
-                                             float* kvbuf, F&& f) const {
+  auto with_head_rows = [&](const void* plane, int64_t block, int64_t kv, int64_t count, auto&& f) {
     const T* base = static_cast<const T*>(plane) + block * p.block_stride + kv * d;
     if constexpr (!std::is_same_v<T, float>) {
       if (per_kv > kWidenRows) {
@@ -449,60 +447,44 @@ struct TileKeys {
       }
     }
     f(base, p.token_stride);
-  }
-};
+  };
+  // Keys of this block that query row r may see (causal within the new tokens).
+  auto visible = [&](int64_t r, int64_t b0, int64_t n) {
+    const int64_t token = (r % per_kv) / g;
+    return std::max<int64_t>(0, std::min(n, first_pos + token - b0 + 1));
+  };
+  // f(std::integral_constant<int, R>, first row) for KV head kv's rows in groups of up to RB.
+  auto for_groups = [&](int64_t kv, auto&& f) {
+    for (int64_t r0 = kv * per_kv, end = r0 + per_kv; r0 < end; r0 += RB)
+      with_rows<RB>(end - r0, [&](auto R) { f(R, r0); });
+  };
 
-// attend_rows's start: each row's query, scaled, into qbuf; its acc, max and sum cleared.
-template <typename T, int RB>
-[[gnu::always_inline]] inline void load_queries(const TileKeys<T, RB>& t, float* acc, float* row_max, float* row_sum,
-                                                float* qbuf) {
-  const Problem& p = t.p;
-  const int64_t d = t.d;
-  for (int64_t r = 0; r < t.rows; ++r) {
-    const RowIndex ri = row_index(r, t.qlen, t.g);
-    const float* src = p.q + (t.start + ri.token) * p.q_token_stride + ri.head * p.q_head_stride;
-    for (int64_t i = 0; i < d; ++i) qbuf[r * d + i] = src[i] * p.scale;
-    std::fill_n(acc + r * d, d, 0.0f);
-    row_max[r] = kNegInf;
-    row_sum[r] = 0.0f;
-  }
-}
-
-// attend_rows's first pass: every row's scores for the partition's keys, -inf for a key the
-// row may not see. A block's K rows of a KV head are read for all that head's rows, from L1
-// once per group; with Wide and from kTransposeRows rows, transposed once for them all.
-template <int NV, typename T, int RB, bool Wide>
-[[gnu::always_inline]] inline void score_blocks(const TileKeys<T, RB>& t, float* qbuf, float* kvbuf, float* scores) {
-  const Problem& p = t.p;
-  const int64_t d = t.d, bs = t.bs, key_begin = t.key_begin, key_end = t.key_end, per_kv = t.per_kv;
-  const int64_t sstride = t.sstride;
-  const int64_t* table = t.table;
   for (int64_t b0 = key_begin; b0 < key_end; b0 += bs) {
     const int64_t block = table[b0 / bs], n = std::min(bs, key_end - b0);
     for (int64_t kv = 0; kv < p.num_kv_heads; ++kv) {
       if (b0 + bs < key_end) prefetch_head<_MM_HINT_T0>(p, p.k_cache, table[b0 / bs + 1], kv, std::min(bs, key_end - b0 - bs));
       prefetch_head<_MM_HINT_T1>(p, p.v_cache, block, kv, n);  // for the second pass
       // Whole block: the 8-key tiles read up to the block's end.
-      t.with_head_rows(p.k_cache, block, kv, bs, kvbuf, [&](const auto* keys, int64_t stride) {
+      with_head_rows(p.k_cache, block, kv, bs, [&](const auto* keys, int64_t stride) {
         if constexpr (Wide && std::is_same_v<std::remove_cv_t<std::remove_pointer_t<decltype(keys)>>, float>) {
           if (per_kv >= kTransposeRows && bs % 16 == 0) {
-            const int64_t longest = (t.visible((kv + 1) * per_kv - 1, b0, n) + 15) & ~int64_t{15};
+            const int64_t longest = (visible((kv + 1) * per_kv - 1, b0, n) + 15) & ~int64_t{15};
             float* kt = kvbuf + bs * d;
             transpose_keys(keys, stride, longest, d, kt);
-            t.for_groups(kv, [&](auto R, int64_t r0) {
+            for_groups(kv, [&](auto R, int64_t r0) {
               float* s[R];
               for (int r = 0; r < R; ++r) s[r] = scores + (r0 + r) * sstride + (b0 - key_begin);
               transposed_scores<R>(qbuf + r0 * d, d, kt, longest, s);
-              for (int r = 0; r < R; ++r) std::fill(s[r] + t.visible(r0 + r, b0, n), s[r] + n, kNegInf);
+              for (int r = 0; r < R; ++r) std::fill(s[r] + visible(r0 + r, b0, n), s[r] + n, kNegInf);
             });
             return;
           }
         }
-        t.for_groups(kv, [&](auto R, int64_t r0) {
+        for_groups(kv, [&](auto R, int64_t r0) {
           int64_t count[R];
           float* s[R];
           for (int r = 0; r < R; ++r) {
-            count[r] = t.visible(r0 + r, b0, n);
+            count[r] = visible(r0 + r, b0, n);
             s[r] = scores + (r0 + r) * sstride + (b0 - key_begin);
           }
           group_scores<NV, R>(qbuf + r0 * d, d, keys, stride, count, bs, s);
@@ -511,25 +493,16 @@ template <int NV, typename T, int RB, bool Wide>
       });
     }
   }
-}
-
-// attend_rows's softmax, one max/exp per row between the passes: each row's scores
-// padded to whole vectors with -inf, soft-capped and windowed, then exp(score - max) in
-// place; row_max and row_sum set (a row that sees no key gets weight 0 on every one).
-template <typename T, int RB, bool Wide>
-[[gnu::always_inline]] inline void softmax_rows(const TileKeys<T, RB>& t, float* row_max, float* row_sum,
-                                                float* scores) {
-  const Problem& p = t.p;
-  const int64_t padded = (t.span + 7) & ~int64_t{7};
-  for (int64_t r = 0; r < t.rows; ++r) {
-    float* s = scores + r * t.sstride;
-    std::fill(s + t.span, s + padded, kNegInf);
+  const int64_t padded = (span + 7) & ~int64_t{7};
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * sstride;
+    std::fill(s + span, s + padded, kNegInf);
     if (p.softcap > 0.0f || p.window > 0) {
-      const int64_t pos = t.first_pos + (r % t.per_kv) / t.g;
-      mask_and_cap(s, padded, p.softcap, window_start(p, pos) - t.key_begin);
+      const int64_t pos = first_pos + (r % per_kv) / g;
+      mask_and_cap(s, padded, p.softcap, window_start(p, pos) - key_begin);
     }
     __m256 vmax = _mm256_set1_ps(kNegInf);
-    for (int64_t i = 0; i < padded; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
+    for (int64_t t = 0; t < padded; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
     const float m = hmax(vmax);
     if (m == kNegInf) {  // every key of the partition is after this row's token: no weight on any
       std::fill(s, s + padded, 0.0f);
@@ -544,24 +517,14 @@ template <typename T, int RB, bool Wide>
     row_sum[r] = hsum(vsum);
     row_max[r] = m;
   }
-}
-
-// attend_rows's second pass: acc += weights x V, block by block, a block's V rows of a KV
-// head read for all that head's rows that see any of its keys.
-template <int NV, typename T, int RB, bool Wide>
-[[gnu::always_inline]] inline void value_blocks(const TileKeys<T, RB>& t, float* acc, float* kvbuf, float* scores) {
-  const Problem& p = t.p;
-  const int64_t d = t.d, bs = t.bs, key_begin = t.key_begin, key_end = t.key_end, per_kv = t.per_kv;
-  const int64_t sstride = t.sstride;
-  const int64_t* table = t.table;
   for (int64_t b0 = key_begin; b0 < key_end; b0 += bs) {
     const int64_t block = table[b0 / bs], n = std::min(bs, key_end - b0);
     for (int64_t kv = 0; kv < p.num_kv_heads; ++kv) {
       if (b0 + bs < key_end) prefetch_head<_MM_HINT_T0>(p, p.v_cache, table[b0 / bs + 1], kv, std::min(bs, key_end - b0 - bs));
-      if (t.visible((kv + 1) * per_kv - 1, b0, n) == 0) continue;  // the head's last row sees the most
-      t.with_head_rows(p.v_cache, block, kv, n, kvbuf, [&](const auto* values, int64_t stride) {
-        t.for_groups(kv, [&](auto R, int64_t r0) {
-          const int64_t count = t.visible(r0 + R - 1, b0, n);
+      if (visible((kv + 1) * per_kv - 1, b0, n) == 0) continue;  // the head's last row sees the most
+      with_head_rows(p.v_cache, block, kv, n, [&](const auto* values, int64_t stride) {
+        for_groups(kv, [&](auto R, int64_t r0) {
+          const int64_t count = visible(r0 + R - 1, b0, n);
           if (count == 0) return;
           float* a[R];
           const float* w[R];
@@ -578,26 +541,6 @@ template <int NV, typename T, int RB, bool Wide>
       });
     }
   }
-}
-
-// Softmax attention of one tile of a sequence's query tokens over keys [key_begin,
-// key_end) (one partition), every KV head: leaves the unnormalised output in acc [rows][head_dim], the max and
-// sum per row. A first pass over the partition's blocks writes every row's scores, one
-// max/exp per row follows, then a second pass accumulates V. Each pass walks the
-// blocks in order, so each block's K (then V) rows are read from memory once for all
-// the query rows of the sequence, and from L1 once per group of RB rows of a KV head.
-// A narrow cache is widened as it is read when a KV head has at most kWidenRows rows;
-// otherwise each block's rows of a head are widened once into kvbuf for every group.
-// scores holds rows x (partition_keys + 8) floats.
-template <int NV, typename T, int RB, bool Wide>
-[[gnu::always_inline]] inline void attend_rows(const Problem& p, const Tile& tile, int64_t key_begin,
-                                               int64_t key_end, float* acc, float* row_max, float* row_sum, float* qbuf, float* kvbuf,
-                                               float* scores) {
-  const TileKeys<T, RB> t(p, tile, key_begin, key_end);
-  load_queries(t, acc, row_max, row_sum, qbuf);
-  score_blocks<NV, T, RB, Wide>(t, qbuf, kvbuf, scores);
-  softmax_rows<T, RB, Wide>(t, row_max, row_sum, scores);
-  value_blocks<NV, T, RB, Wide>(t, acc, kvbuf, scores);
 }
 
 template <int NV, typename T>
@@ -665,102 +608,8 @@ void merge_parts(const Problem& p, const SplitGroup& sg, const float* partials, 
   }
 }
 
-// A step's work: items longest first, the split groups their partials merge into, and
-// the sizes of the partials and of the largest tile.
-struct Plan {
-  std::vector<Item> items;
-  std::vector<SplitGroup> groups;
-  int64_t partial_floats = 0;
-  int64_t max_rows = 0;
-};
-
-// The n sequences seq_index lists, cut into tiles of whole tokens (all their query heads),
-// each tile into one item per partition its rows can see.
-Plan plan_items(const Problem& p, const int64_t* seq_index, int64_t n, int64_t num_heads) {
-  const int64_t* qs = p.query_start;
-  const int64_t* sl = p.seq_lens;
-  const int64_t d = p.head_dim, part_keys = p.partition_keys;
-  const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / num_heads);
-  Plan plan;
-  std::vector<Item>& items = plan.items;
-  std::vector<SplitGroup>& groups = plan.groups;
-  int64_t &partial_floats = plan.partial_floats, &max_rows = plan.max_rows;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t s = seq_index[i], qlen = qs[s + 1] - qs[s];
-    for (int64_t t0 = 0; t0 < qlen; t0 += tile_tokens) {
-      const Tile tile{s, t0, std::min(tile_tokens, qlen - t0)};
-      // Keys up to the tile's last token: no row of the tile sees past it.
-      const int64_t rows = tile.tokens * num_heads, keys = sl[s] - qlen + t0 + tile.tokens;
-      max_rows = std::max(max_rows, rows);
-      // Partitions sit at fixed positions; those before the tile's first row's window are skipped.
-      const int64_t first_part = window_start(p, sl[s] - qlen + t0) / part_keys;
-      const int64_t parts = (keys + part_keys - 1) / part_keys - first_part;
-      if (parts == 1) {
-        const int64_t b = first_part * part_keys;
-        items.push_back({tile, b, keys, -1, -1, (keys - b) * rows});
-        continue;
-      }
-      const int64_t first = partial_floats, stride = rows * (d + 2);
-      for (int64_t k = 0; k < parts; ++k) {
-        const int64_t b = (first_part + k) * part_keys, e = std::min(keys, b + part_keys);
-        items.push_back({tile, b, e, static_cast<int64_t>(groups.size()), first + k * stride, (e - b) * rows});
-      }
-      groups.push_back({tile, first, parts, rows});
-      partial_floats += parts * stride;
-    }
-  }
-  // Longest first, taken from a shared counter: uneven items balance across threads.
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  return plan;
-}
-
-// Runs the plan's items on the op's threads, each thread with its own scratch: an unsplit
-// tile's rows are written as it ends, a split one's by the part that finishes it last.
-void run_items(const Problem& p, AttendFn fn, const Plan& plan, int64_t num_heads) {
-  const std::vector<Item>& items = plan.items;
-  const std::vector<SplitGroup>& groups = plan.groups;
-  const int64_t max_rows = plan.max_rows;
-  const int64_t d = p.head_dim, bs = p.block_size, part_keys = p.partition_keys;
-  const int64_t threads = at::get_num_threads();
-  std::vector<float> partials(plan.partial_floats);
-  std::unique_ptr<std::atomic<int64_t>[]> remaining(new std::atomic<int64_t>[groups.size()]);
-  for (size_t i = 0; i < groups.size(); ++i) remaining[i].store(groups[i].num_parts, std::memory_order_relaxed);
-
-  std::atomic<int64_t> next{0};
-  const int64_t num_items = static_cast<int64_t>(items.size());
-  auto work = [&](int64_t, int64_t) {
-    std::vector<float> scratch(max_rows * (2 * d + 2) + 2 * bs * d + max_rows * (part_keys + 8));
-    float* qbuf = scratch.data();
-    float* acc = qbuf + max_rows * d;
-    float* row_max = acc + max_rows * d;
-    float* row_sum = row_max + max_rows;
-    float* kvbuf = row_sum + max_rows;
-    float* scores = kvbuf + 2 * bs * d;  // kvbuf: a block's widened rows, then its transposed keys
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
-      const Item& it = items[i];
-      const int64_t rows = it.tile.tokens * num_heads;
-      if (it.group_index < 0) {
-        fn(p, it.tile, it.key_begin, it.key_end, acc, row_max, row_sum, qbuf, kvbuf, scores);
-        write_rows(p, it.tile, acc, row_sum);
-        continue;
-      }
-      float* part = partials.data() + it.partial;
-      fn(p, it.tile, it.key_begin, it.key_end, part, part + rows * d, part + rows * d + rows, qbuf, kvbuf, scores);
-      // The part that finishes its group last merges it; acq_rel makes the others' partials visible.
-      if (remaining[it.group_index].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-        const SplitGroup& sg = groups[it.group_index];
-        merge_parts(p, sg, partials.data(), acc, row_max, row_sum);
-        write_rows(p, sg.tile, acc, row_sum);
-      }
-    }
-  };
-  if (num_items <= 1 || threads == 1) {
-    work(0, 1);
-  } else {
-    at::parallel_for(0, std::min(threads, num_items), 1, work);
-  }
-}
-
+// Over 80 lines because its split into plan_items and run_items was built only together
+// with attend_rows's, which lost the op's prefetches, so it is not known to be safe apart.
 void paged_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                       const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& seq_ids,
                       double scale, int64_t window, double softcap) {
@@ -808,7 +657,78 @@ void paged_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
                 " has query_len above seq_len or beyond q");
     TORCH_CHECK(-(-sl[s] / bs) <= block_tables.size(1), "paged_attention_: sequence ", s, " has more blocks than its table");
   }
-  run_items(p, fn, plan_items(p, seq_index, n, num_heads), num_heads);
+  // Tokens per tile: whole tokens, all their query heads.
+  const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / num_heads);
+  const int64_t threads = at::get_num_threads();
+  const int64_t part_keys = p.partition_keys;
+
+  std::vector<Item> items;
+  std::vector<SplitGroup> groups;
+  int64_t partial_floats = 0;
+  int64_t max_rows = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = seq_index[i], qlen = qs[s + 1] - qs[s];
+    for (int64_t t0 = 0; t0 < qlen; t0 += tile_tokens) {
+      const Tile tile{s, t0, std::min(tile_tokens, qlen - t0)};
+      // Keys up to the tile's last token: no row of the tile sees past it.
+      const int64_t rows = tile.tokens * num_heads, keys = sl[s] - qlen + t0 + tile.tokens;
+      max_rows = std::max(max_rows, rows);
+      // Partitions sit at fixed positions; those before the tile's first row's window are skipped.
+      const int64_t first_part = window_start(p, sl[s] - qlen + t0) / part_keys;
+      const int64_t parts = (keys + part_keys - 1) / part_keys - first_part;
+      if (parts == 1) {
+        const int64_t b = first_part * part_keys;
+        items.push_back({tile, b, keys, -1, -1, (keys - b) * rows});
+        continue;
+      }
+      const int64_t first = partial_floats, stride = rows * (d + 2);
+      for (int64_t k = 0; k < parts; ++k) {
+        const int64_t b = (first_part + k) * part_keys, e = std::min(keys, b + part_keys);
+        items.push_back({tile, b, e, static_cast<int64_t>(groups.size()), first + k * stride, (e - b) * rows});
+      }
+      groups.push_back({tile, first, parts, rows});
+      partial_floats += parts * stride;
+    }
+  }
+  // Longest first, taken from a shared counter: uneven items balance across threads.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::vector<float> partials(partial_floats);
+  std::unique_ptr<std::atomic<int64_t>[]> remaining(new std::atomic<int64_t>[groups.size()]);
+  for (size_t i = 0; i < groups.size(); ++i) remaining[i].store(groups[i].num_parts, std::memory_order_relaxed);
+
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  auto work = [&](int64_t, int64_t) {
+    std::vector<float> scratch(max_rows * (2 * d + 2) + 2 * bs * d + max_rows * (part_keys + 8));
+    float* qbuf = scratch.data();
+    float* acc = qbuf + max_rows * d;
+    float* row_max = acc + max_rows * d;
+    float* row_sum = row_max + max_rows;
+    float* kvbuf = row_sum + max_rows;
+    float* scores = kvbuf + 2 * bs * d;  // kvbuf: a block's widened rows, then its transposed keys
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
+      const Item& it = items[i];
+      const int64_t rows = it.tile.tokens * num_heads;
+      if (it.group_index < 0) {
+        fn(p, it.tile, it.key_begin, it.key_end, acc, row_max, row_sum, qbuf, kvbuf, scores);
+        write_rows(p, it.tile, acc, row_sum);
+        continue;
+      }
+      float* part = partials.data() + it.partial;
+      fn(p, it.tile, it.key_begin, it.key_end, part, part + rows * d, part + rows * d + rows, qbuf, kvbuf, scores);
+      // The part that finishes its group last merges it; acq_rel makes the others' partials visible.
+      if (remaining[it.group_index].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        const SplitGroup& sg = groups[it.group_index];
+        merge_parts(p, sg, partials.data(), acc, row_max, row_sum);
+        write_rows(p, sg.tile, acc, row_sum);
+      }
+    }
+  };
+  if (num_items <= 1 || threads == 1) {
+    work(0, 1);
+  } else {
+    at::parallel_for(0, std::min(threads, num_items), 1, work);
+  }
 }
 
 }  // namespace
