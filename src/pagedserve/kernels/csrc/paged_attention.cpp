@@ -414,6 +414,10 @@ inline int64_t window_start(const Problem& p, int64_t pos) {
 // A narrow cache is widened as it is read when a KV head has at most kWidenRows rows;
 // otherwise each block's rows of a head are widened once into kvbuf for every group.
 // scores holds rows x (partition_keys + 8) floats.
+//
+// Over 80 lines because a split of its passes into inlined helpers over a shared struct
+// made GCC 12 drop every prefetch_head of the op (no prefetch instruction left in the
+// object), the bits unchanged: kept whole until a split keeps them.
 template <int NV, typename T, int RB, bool Wide>
 [[gnu::always_inline]] inline void attend_rows(const Problem& p, const Tile& tile, int64_t key_begin,
                                                int64_t key_end, float* acc, float* row_max, float* row_sum, float* qbuf, float* kvbuf,
@@ -604,6 +608,8 @@ void merge_parts(const Problem& p, const SplitGroup& sg, const float* partials, 
   }
 }
 
+// Over 80 lines because its split into plan_items and run_items was built only together
+// with attend_rows's, which lost the op's prefetches, so it is not known to be safe apart.
 void paged_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                       const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& seq_ids,
                       double scale, int64_t window, double softcap) {

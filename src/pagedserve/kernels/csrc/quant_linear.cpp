@@ -109,6 +109,43 @@ namespace avx2 {
 #include "tile_formats.inc"
 }  // namespace avx2
 
+// tile_dot's step for Q8_0 block b: signed weights by signed activations, maddubs taking
+// |w| and the activations given w's sign; acc += dot * (d * activation scale).
+template <int MR>
+[[gnu::always_inline]] inline void q8_block_dot(const uint8_t* t, const int8_t* qa, int64_t k, int64_t b, int64_t nb,
+                                                const float* da, __m256i ones, __m256 (&acc)[MR]) {
+  __m256i isum[MR];
+  for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
+  for (int c = 0; c < 8; ++c) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 16 + 32 * c));
+    const __m256i w_abs = _mm256_abs_epi8(w);
+    for (int r = 0; r < MR; ++r) {
+      const __m256i a = _mm256_set1_epi32(load_i32(qa + r * k + b * kBlock + 4 * c));
+      const __m256i pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(a, w));
+      isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs, ones));
+    }
+  }
+  const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+  for (int r = 0; r < MR; ++r)
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dw, _mm256_set1_ps(da[r * nb + b])), acc[r]);
+}
+
+// tile_dot's MR output rows of ncols (<= 8) columns each, ldo apart, plus the bias where there is one.
+template <int MR>
+[[gnu::always_inline]] inline void store_tile_rows(__m256 (&acc)[MR], float* out, int64_t ldo, int64_t ncols,
+                                                   const float* bias) {
+  for (int r = 0; r < MR; ++r) {
+    if (bias != nullptr) acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(bias));
+    if (ncols == kTileCols) {
+      _mm256_storeu_ps(out + r * ldo, acc[r]);
+    } else {
+      float tmp[kTileCols];
+      _mm256_storeu_ps(tmp, acc[r]);
+      std::memcpy(out + r * ldo, tmp, ncols * sizeof(float));
+    }
+  }
+}
+
 // MR rows x the 8 columns of one tile group, over all K/32 blocks. Per block (Q2_K, Q3_K,
 // Q6_K: per 16 values) the integer dot of codes and int8 activations lands as 8 int32 lanes,
 // then acc += dot * (d * activation scale) + m * (activation scale * sum of the activations);
@@ -126,23 +163,12 @@ void tile_dot(const uint8_t* tiles, int64_t nb, const int8_t* qa, int64_t k, con
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* hdr;
     const uint8_t* t = block_tile<kType>(tiles, b, hdr);
-    __m256i isum[MR];
-    for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
     if constexpr (kQ8) {
-      for (int c = 0; c < 8; ++c) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 16 + 32 * c));
-        const __m256i w_abs = _mm256_abs_epi8(w);
-        for (int r = 0; r < MR; ++r) {
-          const __m256i a = _mm256_set1_epi32(load_i32(qa + r * k + b * kBlock + 4 * c));
-          const __m256i pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(a, w));
-          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs, ones));
-        }
-      }
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
-      for (int r = 0; r < MR; ++r)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dw, _mm256_set1_ps(da[r * nb + b])), acc[r]);
+      q8_block_dot<MR>(t, qa, k, b, nb, da, ones, acc);
       continue;
     }
+    __m256i isum[MR];
+    for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
     // maddubs of codes (<= 63) by int8 (|a| <= 127): a pair sums to <= 16,002, two pairs
     // (one vector) to <= 32,004: int16 holds one vector; codes of 4 bits or fewer hold all
     // four (30,480). The IQ4 book's signed values (|w| <= 127) go through maddubs as Q8_0's
@@ -199,16 +225,7 @@ void tile_dot(const uint8_t* tiles, int64_t nb, const int8_t* qa, int64_t k, con
     };
     Nibbles::int8_block(load_scales, vector, scale_half);
   }
-  for (int r = 0; r < MR; ++r) {
-    if (bias != nullptr) acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(bias));
-    if (ncols == kTileCols) {
-      _mm256_storeu_ps(out + r * ldo, acc[r]);
-    } else {
-      float tmp[kTileCols];
-      _mm256_storeu_ps(tmp, acc[r]);
-      std::memcpy(out + r * ldo, tmp, ncols * sizeof(float));
-    }
-  }
+  store_tile_rows<MR>(acc, out, ldo, ncols, bias);
 }
 
 template <int64_t kType>
@@ -240,6 +257,39 @@ namespace avx512 {
 #include "tile_formats.inc"
 }  // namespace avx512
 
+// quad_dot_vnni's step for Q8_0 block b of tiles t0 .. t3: the activations + 128 (a) by
+// the signed weights, less 128 x the weights' sums; acc += dot * (d * activation scale).
+template <int MR>
+[[gnu::always_inline]] inline void q8_quad_dot(const uint8_t* t0, const uint8_t* t1, const uint8_t* t2,
+                                               const uint8_t* t3, const int8_t* a, int64_t k, int64_t b, int64_t nb,
+                                               const float* da, __m512 (&acc)[MR][2]) {
+  const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i isum[MR][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
+  __m512i corr[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+#pragma GCC unroll 8
+  for (int c = 0; c < 8; ++c) {
+    const int64_t off = 16 + 32 * c;
+    const __m512i w0 = pair512(t0 + off, t1 + off), w1 = pair512(t2 + off, t3 + off);
+    corr[0] = _mm512_dpbusd_epi32(corr[0], offset, w0);
+    corr[1] = _mm512_dpbusd_epi32(corr[1], offset, w1);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m512i av = _mm512_set1_epi32(load_i32(a + r * k + 4 * c));
+      isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], av, w0);
+      isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], av, w1);
+    }
+  }
+  const __m512 dw0 = halves512(t0, t1), dw1 = halves512(t2, t3);
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    const __m512 dar = _mm512_set1_ps(da[r * nb + b]);
+    acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][0], corr[0])), _mm512_mul_ps(dw0, dar), acc[r][0]);
+    acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][1], corr[1])), _mm512_mul_ps(dw1, dar), acc[r][1]);
+  }
+}
+
 template <int MR, int64_t kType>
 void quad_dot_vnni(const uint8_t* tiles, int64_t stride, int64_t nb, const int8_t* qa, int64_t k, const float* da,
                    const float* sa, const int32_t* hs, float* out, int64_t ldo, const float* bias) {
@@ -247,7 +297,6 @@ void quad_dot_vnni(const uint8_t* tiles, int64_t stride, int64_t nb, const int8_
                  kBook = is_book(kType);
   constexpr int64_t kTile = packed_layout(kType).tile;
   using Nibbles = avx512::NibbleFormat<V16, kType>;
-  const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i book = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4.u8)));
   __m512 acc[MR][2];
 #pragma GCC unroll 8
@@ -261,33 +310,13 @@ void quad_dot_vnni(const uint8_t* tiles, int64_t stride, int64_t nb, const int8_
     for (const uint8_t* t : {t0, t1, t2, t3})
       for (int64_t line = 0; line < kTile; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(t + kPrefetch * kTile + line), _MM_HINT_T0);
+    if constexpr (kQ8) {
+      q8_quad_dot<MR>(t0, t1, t2, t3, a, k, b, nb, da, acc);
+      continue;
+    }
     __m512i isum[MR][2];
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
-    if constexpr (kQ8) {
-      __m512i corr[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-#pragma GCC unroll 8
-      for (int c = 0; c < 8; ++c) {
-        const int64_t off = 16 + 32 * c;
-        const __m512i w0 = pair512(t0 + off, t1 + off), w1 = pair512(t2 + off, t3 + off);
-        corr[0] = _mm512_dpbusd_epi32(corr[0], offset, w0);
-        corr[1] = _mm512_dpbusd_epi32(corr[1], offset, w1);
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) {
-          const __m512i av = _mm512_set1_epi32(load_i32(a + r * k + 4 * c));
-          isum[r][0] = _mm512_dpbusd_epi32(isum[r][0], av, w0);
-          isum[r][1] = _mm512_dpbusd_epi32(isum[r][1], av, w1);
-        }
-      }
-      const __m512 dw0 = halves512(t0, t1), dw1 = halves512(t2, t3);
-#pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r) {
-        const __m512 dar = _mm512_set1_ps(da[r * nb + b]);
-        acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][0], corr[0])), _mm512_mul_ps(dw0, dar), acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][1], corr[1])), _mm512_mul_ps(dw1, dar), acc[r][1]);
-      }
-      continue;
-    }
     __m512 d0, m0, d1, m1;
     const auto vector = [&](auto vc) {
       constexpr int V = decltype(vc)::value;

@@ -105,10 +105,146 @@ inline void k4_scale_min(const uint8_t* sc, int s, uint8_t& scale, uint8_t& min)
   }
 }
 
+// Q4_0 / Q4_1's block: d, then m (Q4_0's offset -8d as Q4_1's min), then the nibbles.
+void pack_q4(int64_t qtype, const uint8_t* src, uint8_t* dst, int j) {
+  uint8_t q[kBlock];
+  const uint8_t* qs = src + (qtype == kQ4_1 ? 4 : 2);
+  const uint16_t m = qtype == kQ4_1 ? load_u16(src + 2) : scaled_half(load_u16(src), 8.0f);
+  std::memcpy(dst + 2 * j, src, 2);
+  std::memcpy(dst + 16 + 2 * j, &m, 2);
+  for (int i = 0; i < 16; ++i) {
+    q[i] = qs[i] & 0x0F;
+    q[i + 16] = qs[i] >> 4;
+  }
+  put_codes(dst, 32, 4, 0, j, q);
+}
+
+// Q5_0 / Q5_1's block: as Q4_0 / Q4_1's (Q5_0's offset -16d), the fifth bits from qh.
+void pack_q5(int64_t qtype, const uint8_t* src, uint8_t* dst, int j) {
+  uint8_t q[kBlock];
+  const int64_t at = qtype == kQ5_1 ? 4 : 2;
+  const uint32_t qh = load_u32(src + at);
+  const uint8_t* qs = src + at + 4;
+  const uint16_t m = qtype == kQ5_1 ? load_u16(src + 2) : scaled_half(load_u16(src), 16.0f);
+  std::memcpy(dst + 2 * j, src, 2);
+  std::memcpy(dst + 16 + 2 * j, &m, 2);
+  for (int i = 0; i < 16; ++i) {
+    q[i] = (qs[i] & 0x0F) | (((qh >> i) & 1) << 4);
+    q[i + 16] = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+  }
+  put_codes(dst, 32, 4, 1, j, q);
+}
+
+// Q4_K / Q5_K's super-block (`five`: Q5_K's, with qh's fifth bits).
+void pack_k4(bool five, const uint8_t* src, uint8_t* dst, int j, const PackedLayout& L) {
+  uint8_t q[kBlock];
+  const uint8_t* scales = src + 4;
+  const uint8_t* qh = src + 16;
+  const uint8_t* qs = src + (five ? 48 : 16);
+  std::memcpy(dst + 2 * j, src, 2);
+  std::memcpy(dst + 16 + 2 * j, src + 2, 2);
+  for (int s = 0; s < 8; ++s) {  // block s: nibbles of bytes 32 (s / 2) .. + 31, low for even s
+    uint8_t* tile = dst + L.header + s * L.tile;
+    k4_scale_min(scales, s, tile[j], tile[8 + j]);
+    const uint8_t* bytes = qs + 32 * (s / 2);
+    for (int l = 0; l < 32; ++l) {
+      q[l] = (s % 2 ? bytes[l] >> 4 : bytes[l] & 0x0F);
+      if (five) q[l] |= ((qh[l] >> s) & 1) << 4;
+    }
+    put_codes(tile, 16, 4, five ? 1 : 0, j, q);
+  }
+}
+
+void pack_q6_k(const uint8_t* src, uint8_t* dst, int j, const PackedLayout& L) {
+  uint8_t q[kBlock];
+  const uint8_t *ql = src, *qh = src + 128;
+  const int8_t* scales = reinterpret_cast<const int8_t*>(src + 192);
+  std::memcpy(dst + 2 * j, src + 208, 2);
+  for (int s = 0; s < 8; ++s) {
+    // Value y = 128n + 32k + l sits in ql[64n + l (+32 for odd k)] (low nibble for
+    // k < 2) and bits 2k, 2k+1 of qh[32n + l].
+    const int n = s / 4, k = s % 4;
+    uint8_t* tile = dst + L.header + s * L.tile;
+    std::memcpy(tile + j, &scales[2 * s], 1);
+    std::memcpy(tile + 8 + j, &scales[2 * s + 1], 1);
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t low = ql[64 * n + l + 32 * (k % 2)];
+      q[l] = (k < 2 ? low & 0x0F : low >> 4) | (((qh[32 * n + l] >> (2 * k)) & 3) << 4);
+    }
+    put_codes(tile, 16, 4, 2, j, q);
+  }
+}
+
+// Value y = 128n + 32k + l: bits 2k, 2k + 1 of qs[32n + l], and bit 4n + k of hmask[l]
+// (set: no offset; the tile's code is q + 4 with m = -4 d); 16 scales of 6 bits, low
+// nibbles in bytes 0-7, top bits in 8-11 (ggml's dequantize_row_q3_K).
+void pack_q3_k(const uint8_t* src, uint8_t* dst, int j, const PackedLayout& L) {
+  uint8_t q[kBlock];
+  const uint8_t *hmask = src, *qs = src + 32, *sc = src + 96;
+  std::memcpy(dst + 2 * j, src + 108, 2);
+  for (int s = 0; s < 8; ++s) {
+    const int n = s / 4, k = s % 4;
+    uint8_t* tile = dst + L.header + s * L.tile;
+    for (int h = 0; h < 2; ++h) {
+      const int i = 2 * s + h;
+      const int scale = ((i < 8 ? sc[i] & 0x0F : sc[i - 8] >> 4) | (((sc[8 + i % 4] >> (2 * (i / 4))) & 3) << 4));
+      tile[8 * h + j] = static_cast<uint8_t>(scale - 32);
+    }
+    for (int l = 0; l < 32; ++l) q[l] = ((qs[32 * n + l] >> (2 * k)) & 3) | (((hmask[l] >> s) & 1) << 2);
+    put_codes(tile, 16, 2, 1, j, q);
+  }
+}
+
+// IQ4_NL's block: d, then the nibbles (indices into the IQ4 book).
+void pack_iq4_nl(const uint8_t* src, uint8_t* dst, int j) {
+  uint8_t q[kBlock];
+  std::memcpy(dst + 2 * j, src, 2);
+  for (int i = 0; i < 16; ++i) {
+    q[i] = src[2 + i] & 0x0F;
+    q[i + 16] = src[2 + i] >> 4;
+  }
+  put_codes(dst, 16, 4, 0, j, q);
+}
+
+// Block s's 6-bit scale: nibble s % 2 of scales_l[s / 2], top bits 2s, 2s + 1 of
+// scales_h; its nibbles as IQ4_NL's, at qs + 16 s (ggml's dequantize_row_iq4_xs).
+void pack_iq4_xs(const uint8_t* src, uint8_t* dst, int j, const PackedLayout& L) {
+  uint8_t q[kBlock];
+  const uint16_t high = load_u16(src + 2);
+  std::memcpy(dst + 2 * j, src, 2);
+  for (int s = 0; s < 8; ++s) {
+    uint8_t* tile = dst + L.header + s * L.tile;
+    const int scale = ((src[4 + s / 2] >> (4 * (s % 2))) & 0x0F) | (((high >> (2 * s)) & 3) << 4);
+    tile[j] = static_cast<uint8_t>(scale - 32);
+    const uint8_t* qs = src + 8 + 16 * s;
+    for (int i = 0; i < 16; ++i) {
+      q[i] = qs[i] & 0x0F;
+      q[i + 16] = qs[i] >> 4;
+    }
+    put_codes(tile, 8, 4, 0, j, q);
+  }
+}
+
+// Value y = 128n + 32k + l: bits 2k, 2k + 1 of qs[32n + l]; byte y / 16 of the scales
+// holds its 4-bit scale and, above it, its min (ggml's dequantize_row_q2_K).
+void pack_q2_k(const uint8_t* src, uint8_t* dst, int j, const PackedLayout& L) {
+  uint8_t q[kBlock];
+  const uint8_t* qs = src + 16;
+  std::memcpy(dst + 2 * j, src + 80, 2);
+  std::memcpy(dst + 16 + 2 * j, src + 82, 2);
+  for (int s = 0; s < 8; ++s) {
+    const int n = s / 4, k = s % 4;
+    uint8_t* tile = dst + L.header + s * L.tile;
+    tile[j] = src[2 * s];
+    tile[8 + j] = src[2 * s + 1];
+    for (int l = 0; l < 32; ++l) q[l] = (qs[32 * n + l] >> (2 * k)) & 3;
+    put_codes(tile, 16, 2, 0, j, q);
+  }
+}
+
 // Column j's GGUF block `src` into super-tile `dst` (header, then the block tiles).
 void pack_column(int64_t qtype, const uint8_t* src, uint8_t* dst, int j) {
   const PackedLayout L = packed_layout(qtype);
-  uint8_t q[kBlock];
   switch (qtype) {
     case kF16:
     case kBF16:
@@ -119,130 +255,16 @@ void pack_column(int64_t qtype, const uint8_t* src, uint8_t* dst, int j) {
       for (int c = 0; c < 8; ++c) std::memcpy(dst + 16 + 32 * c + 4 * j, src + 2 + 4 * c, 4);
       return;
     case kQ4_0:
-    case kQ4_1: {
-      const uint8_t* qs = src + (qtype == kQ4_1 ? 4 : 2);
-      const uint16_t m = qtype == kQ4_1 ? load_u16(src + 2) : scaled_half(load_u16(src), 8.0f);
-      std::memcpy(dst + 2 * j, src, 2);
-      std::memcpy(dst + 16 + 2 * j, &m, 2);
-      for (int i = 0; i < 16; ++i) {
-        q[i] = qs[i] & 0x0F;
-        q[i + 16] = qs[i] >> 4;
-      }
-      return put_codes(dst, 32, 4, 0, j, q);
-    }
+    case kQ4_1: return pack_q4(qtype, src, dst, j);
     case kQ5_0:
-    case kQ5_1: {
-      const int64_t at = qtype == kQ5_1 ? 4 : 2;
-      const uint32_t qh = load_u32(src + at);
-      const uint8_t* qs = src + at + 4;
-      const uint16_t m = qtype == kQ5_1 ? load_u16(src + 2) : scaled_half(load_u16(src), 16.0f);
-      std::memcpy(dst + 2 * j, src, 2);
-      std::memcpy(dst + 16 + 2 * j, &m, 2);
-      for (int i = 0; i < 16; ++i) {
-        q[i] = (qs[i] & 0x0F) | (((qh >> i) & 1) << 4);
-        q[i + 16] = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
-      }
-      return put_codes(dst, 32, 4, 1, j, q);
-    }
+    case kQ5_1: return pack_q5(qtype, src, dst, j);
     case kQ4_K:
-    case kQ5_K: {
-      const bool five = qtype == kQ5_K;
-      const uint8_t* scales = src + 4;
-      const uint8_t* qh = src + 16;
-      const uint8_t* qs = src + (five ? 48 : 16);
-      std::memcpy(dst + 2 * j, src, 2);
-      std::memcpy(dst + 16 + 2 * j, src + 2, 2);
-      for (int s = 0; s < 8; ++s) {  // block s: nibbles of bytes 32 (s / 2) .. + 31, low for even s
-        uint8_t* tile = dst + L.header + s * L.tile;
-        k4_scale_min(scales, s, tile[j], tile[8 + j]);
-        const uint8_t* bytes = qs + 32 * (s / 2);
-        for (int l = 0; l < 32; ++l) {
-          q[l] = (s % 2 ? bytes[l] >> 4 : bytes[l] & 0x0F);
-          if (five) q[l] |= ((qh[l] >> s) & 1) << 4;
-        }
-        put_codes(tile, 16, 4, five ? 1 : 0, j, q);
-      }
-      return;
-    }
-    case kQ6_K: {
-      const uint8_t *ql = src, *qh = src + 128;
-      const int8_t* scales = reinterpret_cast<const int8_t*>(src + 192);
-      std::memcpy(dst + 2 * j, src + 208, 2);
-      for (int s = 0; s < 8; ++s) {
-        // Value y = 128n + 32k + l sits in ql[64n + l (+32 for odd k)] (low nibble for
-        // k < 2) and bits 2k, 2k+1 of qh[32n + l].
-        const int n = s / 4, k = s % 4;
-        uint8_t* tile = dst + L.header + s * L.tile;
-        std::memcpy(tile + j, &scales[2 * s], 1);
-        std::memcpy(tile + 8 + j, &scales[2 * s + 1], 1);
-        for (int l = 0; l < 32; ++l) {
-          const uint8_t low = ql[64 * n + l + 32 * (k % 2)];
-          q[l] = (k < 2 ? low & 0x0F : low >> 4) | (((qh[32 * n + l] >> (2 * k)) & 3) << 4);
-        }
-        put_codes(tile, 16, 4, 2, j, q);
-      }
-      return;
-    }
-    case kQ3_K: {
-      // Value y = 128n + 32k + l: bits 2k, 2k + 1 of qs[32n + l], and bit 4n + k of hmask[l]
-      // (set: no offset; the tile's code is q + 4 with m = -4 d); 16 scales of 6 bits, low
-      // nibbles in bytes 0-7, top bits in 8-11 (ggml's dequantize_row_q3_K).
-      const uint8_t *hmask = src, *qs = src + 32, *sc = src + 96;
-      std::memcpy(dst + 2 * j, src + 108, 2);
-      for (int s = 0; s < 8; ++s) {
-        const int n = s / 4, k = s % 4;
-        uint8_t* tile = dst + L.header + s * L.tile;
-        for (int h = 0; h < 2; ++h) {
-          const int i = 2 * s + h;
-          const int scale = ((i < 8 ? sc[i] & 0x0F : sc[i - 8] >> 4) | (((sc[8 + i % 4] >> (2 * (i / 4))) & 3) << 4));
-          tile[8 * h + j] = static_cast<uint8_t>(scale - 32);
-        }
-        for (int l = 0; l < 32; ++l) q[l] = ((qs[32 * n + l] >> (2 * k)) & 3) | (((hmask[l] >> s) & 1) << 2);
-        put_codes(tile, 16, 2, 1, j, q);
-      }
-      return;
-    }
-    case kIQ4_NL:
-      std::memcpy(dst + 2 * j, src, 2);
-      for (int i = 0; i < 16; ++i) {
-        q[i] = src[2 + i] & 0x0F;
-        q[i + 16] = src[2 + i] >> 4;
-      }
-      return put_codes(dst, 16, 4, 0, j, q);
-    case kIQ4_XS: {
-      // Block s's 6-bit scale: nibble s % 2 of scales_l[s / 2], top bits 2s, 2s + 1 of
-      // scales_h; its nibbles as IQ4_NL's, at qs + 16 s (ggml's dequantize_row_iq4_xs).
-      const uint16_t high = load_u16(src + 2);
-      std::memcpy(dst + 2 * j, src, 2);
-      for (int s = 0; s < 8; ++s) {
-        uint8_t* tile = dst + L.header + s * L.tile;
-        const int scale = ((src[4 + s / 2] >> (4 * (s % 2))) & 0x0F) | (((high >> (2 * s)) & 3) << 4);
-        tile[j] = static_cast<uint8_t>(scale - 32);
-        const uint8_t* qs = src + 8 + 16 * s;
-        for (int i = 0; i < 16; ++i) {
-          q[i] = qs[i] & 0x0F;
-          q[i + 16] = qs[i] >> 4;
-        }
-        put_codes(tile, 8, 4, 0, j, q);
-      }
-      return;
-    }
-    case kQ2_K: {
-      // Value y = 128n + 32k + l: bits 2k, 2k + 1 of qs[32n + l]; byte y / 16 of the scales
-      // holds its 4-bit scale and, above it, its min (ggml's dequantize_row_q2_K).
-      const uint8_t* qs = src + 16;
-      std::memcpy(dst + 2 * j, src + 80, 2);
-      std::memcpy(dst + 16 + 2 * j, src + 82, 2);
-      for (int s = 0; s < 8; ++s) {
-        const int n = s / 4, k = s % 4;
-        uint8_t* tile = dst + L.header + s * L.tile;
-        tile[j] = src[2 * s];
-        tile[8 + j] = src[2 * s + 1];
-        for (int l = 0; l < 32; ++l) q[l] = (qs[32 * n + l] >> (2 * k)) & 3;
-        put_codes(tile, 16, 2, 0, j, q);
-      }
-      return;
-    }
+    case kQ5_K: return pack_k4(qtype == kQ5_K, src, dst, j, L);
+    case kQ6_K: return pack_q6_k(src, dst, j, L);
+    case kQ3_K: return pack_q3_k(src, dst, j, L);
+    case kIQ4_NL: return pack_iq4_nl(src, dst, j);
+    case kIQ4_XS: return pack_iq4_xs(src, dst, j, L);
+    case kQ2_K: return pack_q2_k(src, dst, j, L);
   }
 }
 
