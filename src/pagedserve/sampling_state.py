@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .sampling_params import SamplingParams, child_seed
-from .structured_output.backend import Matcher
+from .structured_output.grammar_backend import Matcher
 
 
 @dataclass(slots=True)
