@@ -1,8 +1,9 @@
 """The attention backend interface and the reference implementation.
 
 A KV cache for one layer is laid out as core/kv_tensor_layout.py's `KVTensorLayout`
-says, of float32, or of float16 / float8 when `--kv-cache-dtype` narrows it: stores convert (saturating at the type's largest finite
-value, as the native write does), reads convert back to fp32.
+says, of float32, or of float16 / float8 when `--kv-cache-dtype` narrows it: stores
+convert (saturating at the type's largest finite value, as the native write does), reads
+convert back to fp32.
 
 Two per-layer options serve Gemma 2/3 and Phi-3 (model/gemma.py): `window` > 0 lets a
 query see only the keys less than `window` positions before it (a sliding-window layer;

@@ -29,7 +29,8 @@ from ..http.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from .backends import Backend, BackendMonitor
 from .choice import choose_backend
 from .router_metrics import RouterMetrics
-from .router_openapi import METRICS_RESPONSES, MODELS_RESPONSES, POOLING_PATHS, health_responses, proxied_post, serve_document
+from .router_openapi import (METRICS_RESPONSES, MODELS_RESPONSES, POOLING_PATHS, health_responses, proxied_post,
+                             serve_document)
 from .routing_policies import CacheAwareConfig, Picker
 from .prompt_keys import NO_KEYS, PromptKeyer, PromptKeys
 
