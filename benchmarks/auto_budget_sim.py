@@ -16,7 +16,7 @@ from pagedserve.core.config import CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
 from pagedserve.sim.scenario import build_scenario
 from pagedserve.sim.simulator import simulate
 from pagedserve.workload.datasets import mixed_dataset, random_dataset
-from pagedserve.workload.metrics import summarize
+from pagedserve.workload.serving_stats import summarize
 
 VOCAB = 49_152
 WORKLOADS = {  # name: (concurrency, requests)

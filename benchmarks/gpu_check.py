@@ -49,9 +49,9 @@ from pagedserve.attention.testing import random_step  # noqa: E402
 from pagedserve.core.kv_plan import KVCachePlan  # noqa: E402
 from pagedserve.model.config import ModelConfig  # noqa: E402
 from pagedserve.model.llama import LlamaModel  # noqa: E402
-from pagedserve.model.placement import place_model  # noqa: E402
+from pagedserve.model.device_placement import place_model  # noqa: E402
 from pagedserve.worker.device_inputs import DeviceInputs  # noqa: E402
-from pagedserve.worker.kv_cache import allocate_kv_caches  # noqa: E402
+from pagedserve.worker.kv_tensors import allocate_kv_caches  # noqa: E402
 from pagedserve.worker.model_runner import ModelRunner  # noqa: E402
 
 HBM_TB_S = 4.3

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from server.server_process import start_server  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from pagedserve.workload.metrics import percentile  # noqa: E402
+from pagedserve.workload.serving_stats import percentile  # noqa: E402
 
 KEY_A, KEY_B = "sk-bench-flood-a", "sk-bench-light-b"
 # docs/tenants.md's bound: with A budgeted in a lower class, B's p99 TTFT beside the flood is

@@ -12,7 +12,7 @@ from pagedserve.attention.native_backend import NativePagedAttention
 from pagedserve.attention.testing import random_step
 from pagedserve.config import EngineConfig
 from pagedserve.kernels import native_unavailable_reason
-from pagedserve.worker.kv_cache import kv_cache_torch_dtype
+from pagedserve.worker.kv_tensors import kv_cache_torch_dtype
 
 NARROW = {"fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 DTYPES = pytest.mark.parametrize("dtype", list(NARROW.values()), ids=list(NARROW))

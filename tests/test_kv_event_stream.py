@@ -19,7 +19,7 @@ from engine_utils import KV_BYTES_PER_BLOCK, make_llm
 from pagedserve import SamplingParams
 from pagedserve.core.block_hash import extend_block_hashes
 from pagedserve.engine.async_engine import AsyncEngine, GenerationRequest
-from pagedserve.entrypoints.openai.kv_events import KVEventHub
+from pagedserve.entrypoints.openai.kv_events_endpoint import KVEventHub
 from pagedserve.model.loader import load_model
 from pagedserve.router.prompt_keys import PromptKeyer
 

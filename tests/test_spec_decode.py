@@ -13,12 +13,12 @@ import torch
 from conftest import REFERENCE_NEW_TOKENS
 from engine_utils import KV_BYTES_PER_BLOCK, assert_all_blocks_free, busy_batch, make_llm
 from pagedserve import SamplingParams
-from pagedserve.core.outputs import ScheduledRequest
+from pagedserve.core.scheduler_output import ScheduledRequest
 from pagedserve.core.request import Request
 from pagedserve.model.loader import load_model
 from pagedserve.sampling_state import SamplingState
 from pagedserve.spec_decode.config import SpeculativeConfig
-from pagedserve.spec_decode.metrics import SpecDecodeStats
+from pagedserve.spec_decode.acceptance_stats import SpecDecodeStats
 from pagedserve.spec_decode.ngram import propose_ngram
 from pagedserve.worker.row_sampling import sample_rows
 

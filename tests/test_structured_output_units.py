@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from pagedserve import SamplingParams, StructuredOutputs
-from pagedserve.core.outputs import ScheduledRequest
+from pagedserve.core.scheduler_output import ScheduledRequest
 from pagedserve.core.request import Request
 from pagedserve.sampling_state import SamplingState
-from pagedserve.structured_output.backend import Matcher
+from pagedserve.structured_output.grammar_backend import Matcher
 from pagedserve.structured_output.logits import advance, apply_bitmask, bitmask_words, constrain
 from pagedserve.worker.row_sampling import sample_rows
 
@@ -163,7 +163,7 @@ def test_compile_time_limit_is_a_value_error(tokenizer):
 def test_missing_backend_package_is_a_value_error(tokenizer, monkeypatch):
     import sys
 
-    from pagedserve.structured_output.registry import make_backend
+    from pagedserve.structured_output.backend_registry import make_backend
 
     # As on an install without the `guided` extra: importing llguidance fails.
     monkeypatch.setitem(sys.modules, "llguidance", None)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from .core.reasoning import ReasoningState
 from .sampling_params import SamplingParams, child_seed
-from .structured_output.backend import Matcher
+from .structured_output.grammar_backend import Matcher
 
 
 @dataclass(slots=True)

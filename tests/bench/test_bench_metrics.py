@@ -6,7 +6,7 @@ import math
 import pytest
 
 from pagedserve.bench.serve import Outcome, parse_goodput, send_offsets, summary
-from pagedserve.workload.metrics import SLO, RequestRecord, summarize
+from pagedserve.workload.serving_stats import SLO, RequestRecord, summarize
 
 
 def test_tpot_excludes_first_token_and_counts_coalesced_chunks():

@@ -101,7 +101,7 @@ def test_spec_decode_acceptance_from_two_metrics_scrapes():
     from pagedserve.bench.serve import parse_spec_decode_counters, spec_decode_delta
     from pagedserve.engine.async_engine import EngineSnapshot
     from pagedserve.entrypoints.openai.metrics import ServerMetrics
-    from pagedserve.spec_decode.metrics import SpecDecodeStats
+    from pagedserve.spec_decode.acceptance_stats import SpecDecodeStats
 
     def scrape(drafts: int, proposed: int, accepted: int, per_pos: list[int]) -> dict:
         metrics = ServerMetrics("m")

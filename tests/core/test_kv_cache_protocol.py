@@ -93,3 +93,13 @@ def test_a_missing_capability_is_stated_not_probed(make):
     if not kv.indexes_prefixes:
         with pytest.raises(ValueError, match="no prefix cache"):
             kv.install_cached_prefix([b"h"])
+
+
+def test_a_peak_of_committed_bytes_only_where_memory_is_committed_as_tokens_arrive():
+    assert paged().peak_committed_bytes is None  # its tensors are committed whole before any request
+    kv = contiguous()
+    assert kv.peak_committed_bytes == 0
+    a = Request("a", list(range(6)), 4)
+    assert kv.allocate_slots(a, 6) is not None
+    kv.free(a)
+    assert kv.peak_committed_bytes == 2 * 2 * 4096  # 6 tokens of 1 KiB: 2 pages in each of 2 streams

@@ -12,7 +12,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.openai.args import ServerConfig
 from pagedserve.entrypoints.openai.server import build_app
-from pagedserve.router.app import PROXIED_ROUTES, RouterConfig, build_router_app
+from pagedserve.router.proxy import PROXIED_ROUTES, RouterConfig, build_router_app
 from pagedserve.router.disagg import DisaggConfig, build_disagg_app
 
 REPLICA_ROUTES = {("post", p) for p in PROXIED_ROUTES} | {("get", "/v1/models"), ("get", "/health"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.router.backends import Backend
-from pagedserve.router.policies import CacheAwareConfig, Candidate, Picker
+from pagedserve.router.routing_policies import CacheAwareConfig, Candidate, Picker
 
 
 def picks(picker: Picker, candidates: list[Candidate], times: int, tokens: int = 0) -> list[int]:
@@ -73,7 +73,7 @@ def test_both_routers_answer_every_error_in_the_api_shape():
     path a 404 in it."""
     from starlette.testclient import TestClient
 
-    from pagedserve.router.app import RouterConfig, build_router_app
+    from pagedserve.router.proxy import RouterConfig, build_router_app
     from pagedserve.router.disagg import DisaggConfig, build_disagg_app
 
     def boom(request):

@@ -25,7 +25,7 @@ import pytest
 import uvicorn
 
 from pagedserve.entrypoints.cli import build_parser
-from pagedserve.router.cli import build_replica_router
+from pagedserve.router.router_command import build_replica_router
 from pagedserve.model.sources import load_model_tokenizer
 from pagedserve.router.prompt_keys import PromptKeyer
 from pagedserve.workload.datasets import shared_prefix_dataset

@@ -9,7 +9,7 @@ import pytest
 from pagedserve.sim.cluster import KV_LINKS, ClusterSetup, Layout, kv_transfer_seconds, max_goodput, simulate_cluster
 from pagedserve.sim.models import MODELS
 from pagedserve.workload.datasets import BenchRequest, random_dataset
-from pagedserve.workload.metrics import SLO
+from pagedserve.workload.serving_stats import SLO
 
 SETUP = ClusterSetup("llama-3.1-8b", "h100-sxm5")
 

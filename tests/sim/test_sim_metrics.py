@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from pagedserve.workload.metrics import SLO, RequestRecord, percentile, summarize
+from pagedserve.workload.serving_stats import SLO, RequestRecord, percentile, summarize
 
 
 def test_percentile_interpolates_linearly():

@@ -13,7 +13,7 @@ from pagedserve.sim.hardware import get_hardware
 from pagedserve.sim.models import MODELS
 from pagedserve.sim.simulator import SimConfig, simulate
 from pagedserve.workload.datasets import BenchRequest, jsonl_dataset, random_dataset, with_priority_classes
-from pagedserve.workload.metrics import CLASS_TTFT
+from pagedserve.workload.serving_stats import CLASS_TTFT
 
 COST = CostModel(MODELS["llama-3.1-8b"], get_hardware("h100-sxm5"), "bf16")
 

@@ -1,9 +1,9 @@
 """The attention backend interface and the reference implementation.
 
-A KV cache for one layer is a tensor [2, num_blocks, block_size, num_kv_heads,
-head_dim] (K at index 0, V at index 1), of float32, or of float16 / float8 when
-`--kv-cache-dtype` narrows it: stores convert (saturating at the type's largest finite
-value, as the native write does), reads convert back to fp32.
+A KV cache for one layer is laid out as core/kv_tensor_layout.py's `KVTensorLayout`
+says, of float32, or of float16 / float8 when `--kv-cache-dtype` narrows it: stores
+convert (saturating at the type's largest finite value, as the native write does), reads
+convert back to fp32.
 
 Two per-layer options serve Gemma 2/3 and Phi-3 (model/gemma.py): `window` > 0 lets a
 query see only the keys less than `window` positions before it (a sliding-window layer;
@@ -18,6 +18,7 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 
+from ..core.kv_tensor_layout import KVTensorLayout
 from .metadata import AttentionMetadata
 
 
@@ -35,7 +36,7 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # one layer's, as KVTensorLayout describes
         meta: AttentionMetadata,
         scale: float,
         window: int = 0,
@@ -91,7 +92,7 @@ def refuse_masks(backend: str, window: int, softcap: float) -> None:
 def check_step(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
     """ValueError unless q's heads are a multiple of the cache's KV heads and its rows
     are the step's tokens."""
-    num_heads, num_kv_heads = q.shape[1], kv_cache.shape[-2]
+    num_heads, num_kv_heads = q.shape[1], KVTensorLayout.of(kv_cache).num_kv_heads
     if num_heads % num_kv_heads:
         raise ValueError(f"q has {num_heads} heads; must be a multiple of the cache's {num_kv_heads} KV heads")
     if q.shape[0] != meta.num_tokens:
@@ -112,7 +113,7 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter this step's K/V rows into their cache slots."""
-    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    flat = KVTensorLayout.of(kv_cache).slot_rows(kv_cache)
     k, v = to_cache_dtype(k, kv_cache.dtype), to_cache_dtype(v, kv_cache.dtype)
     if kv_cache.element_size() == 1:  # torch has no index_copy_ for fp8: move the bytes
         flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
@@ -143,14 +144,15 @@ def attend_each_sequence(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attentio
     if window < 0 or softcap < 0:
         raise ValueError(f"window and softcap must be >= 0 (0: none), got {window} and {softcap}")
     num_heads, head_dim = q.shape[1], q.shape[2]
-    group = num_heads // kv_cache.shape[-2]
+    layout = KVTensorLayout.of(kv_cache)
+    group = num_heads // layout.num_kv_heads
     out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype)
     starts = meta.query_start_loc.tolist()
     for i, (qlen, slen) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         nblocks = -(-slen // meta.block_size)
         blocks = meta.block_tables[i, :nblocks]
-        keys = kv_cache[0, blocks].reshape(-1, *kv_cache.shape[-2:])[:slen].float()
-        vals = kv_cache[1, blocks].reshape(-1, *kv_cache.shape[-2:])[:slen].float()
+        keys = layout.keys(kv_cache)[blocks].reshape(-1, *layout.token_shape)[:slen].float()
+        vals = layout.values(kv_cache)[blocks].reshape(-1, *layout.token_shape)[:slen].float()
         keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, slen, D]
         vals = vals.repeat_interleave(group, dim=1).transpose(0, 1)
         qs = q[starts[i] : starts[i] + qlen].transpose(0, 1)  # [H, qlen, D]

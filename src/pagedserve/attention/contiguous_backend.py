@@ -1,6 +1,6 @@
 """Attention over the contiguous KV layout: each sequence's K/V is one contiguous view.
 
-Under the contiguous layout (worker/contiguous_kv.py) a sequence's blocks are consecutive
+Under the contiguous layout (worker/contiguous_kv_memory.py) a sequence's blocks are consecutive
 in the layer's cache, so its first block id is a base pointer and positions
 0 .. seq_len - 1 are the rows base .. base + seq_len - 1 of the flattened cache. Nothing
 is gathered and no block table is walked:
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..core.kv_tensor_layout import KVTensorLayout
 from ..kernels import native_unavailable_reason
 from .backend import PlannedBackend, write_kv
 from .cpu_backend import attend_chunk
@@ -75,7 +76,7 @@ class ContiguousAttention(PlannedBackend[ContiguousStepPlan]):
         plan = self.start_forward(q, kv_cache, meta, window, softcap)
         self._write(k, v, kv_cache, meta)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-        flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])  # [2, slots, kv_heads, head_dim]
+        flat = KVTensorLayout.of(kv_cache).slot_rows(kv_cache)
         self._attend_short(plan, q, kv_cache, flat, out, scale)
         for start, qlen, seq_len, base in plan.chunks:
             context = _fp32(flat[:, base : base + seq_len - qlen]) if seq_len > qlen else None
@@ -87,7 +88,7 @@ class ContiguousAttention(PlannedBackend[ContiguousStepPlan]):
 
     def _attend_short(self, plan: ContiguousStepPlan, q: torch.Tensor, kv_cache: torch.Tensor, flat: torch.Tensor,
                       out: torch.Tensor, scale: float) -> None:
-        num_kv_heads, head_dim = flat.shape[-2], flat.shape[-1]
+        num_kv_heads, head_dim = KVTensorLayout.of(kv_cache).token_shape
         for start, _, seq_len, base in plan.short:
             kv = _fp32(flat[:, base : base + seq_len])
             # The query heads of a KV head become rows of that head: [1, kv_heads, heads_per_kv, head_dim].

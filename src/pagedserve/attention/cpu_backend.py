@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..core.kv_tensor_layout import KVTensorLayout
 from .backend import PlannedBackend, attend_each_sequence, to_cache_dtype, write_kv
 from .metadata import AttentionMetadata
 
@@ -145,7 +146,7 @@ class CpuPagedAttention(PlannedBackend[StepPlan]):
 
 def workspace_for(workspace: torch.Tensor, kv_cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """A flat buffer for the K/V of `num_blocks` blocks: `workspace` while it is big enough."""
-    numel = 2 * num_blocks * math.prod(kv_cache.shape[2:])
+    numel = math.prod(KVTensorLayout.of(kv_cache).blocks_shape(num_blocks))
     if (
         workspace.numel() < numel
         or workspace.dtype != kv_cache.dtype
@@ -157,9 +158,9 @@ def workspace_for(workspace: torch.Tensor, kv_cache: torch.Tensor, num_blocks: i
 
 
 def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, workspace: torch.Tensor) -> torch.Tensor:
-    """[2, len(block_ids), block_size, num_kv_heads, head_dim]: those blocks' K/V, in
-    order, copied into the front of the workspace; as fp32 (a copy) when the cache is narrower."""
-    shape = (2, block_ids.numel(), *kv_cache.shape[2:])
+    """Those blocks' K/V, in order and in the cache's layout, copied into the front of the
+    workspace; as fp32 (a copy) when the cache is narrower."""
+    shape = KVTensorLayout.of(kv_cache).blocks_shape(block_ids.numel())
     buf = workspace[: math.prod(shape)].view(shape)
     torch.index_select(kv_cache, 1, block_ids, out=buf)
     return buf if buf.dtype == torch.float32 else buf.float()
@@ -175,9 +176,10 @@ def _attend_group(
 ) -> None:
     n, qlen = group.num_seqs, group.query_len
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = kv_cache.shape[-2]
+    layout = KVTensorLayout.of(kv_cache)
+    num_kv_heads = layout.num_kv_heads
     heads_per_kv = num_heads // num_kv_heads
-    keys_len = group.num_blocks * kv_cache.shape[2]
+    keys_len = group.num_blocks * layout.block_size
     kv = _gather(kv_cache, group.block_ids, workspace).view(2, n, keys_len, num_kv_heads, head_dim)
     # The query heads that share a KV head become extra query rows of that head, so
     # each K/V row is read once per KV head and GQA needs no expanded copy of K/V.
@@ -189,8 +191,8 @@ def _attend_group(
     )
     attended = F.scaled_dot_product_attention(
         queries,
-        kv[0].transpose(1, 2),  # [n, num_kv_heads, keys, head_dim], a strided view the kernel reads in place
-        kv[1].transpose(1, 2),
+        layout.keys(kv).transpose(1, 2),  # [n, num_kv_heads, keys, head_dim], a strided view the kernel reads in place
+        layout.values(kv).transpose(1, 2),
         attn_mask=group.bias_for(heads_per_kv, q.dtype),
         scale=scale,
     )
@@ -217,7 +219,7 @@ def attend_prefill(
     context = None
     if chunk.context_len:
         kv = _gather(kv_cache, chunk.block_ids, workspace)
-        context = kv.view(2, -1, *kv_cache.shape[-2:])[:, : chunk.context_len]
+        context = KVTensorLayout.of(kv_cache).slot_rows(kv)[:, : chunk.context_len]
     attend_chunk(chunk.start, chunk.query_len, q, k, v, context, kv_cache.dtype, out, scale)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.kv_tensor_layout import KVTensorLayout
 from .metadata import AttentionMetadata
 
 
@@ -24,7 +25,8 @@ def random_step(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, 
     q = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
     v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    cache = torch.randn(KVTensorLayout(num_blocks, block_size, num_kv_heads, head_dim, torch.float32).shape,
+                        generator=gen)
     return q, k, v, cache, meta
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.kv_tensor_layout import KVTensorLayout
 from .backend import PlannedBackend
 from .metadata import AttentionMetadata
 
@@ -59,7 +60,8 @@ class TritonPagedAttention(PlannedBackend[TritonStepPlan]):
                 meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         plan = self.start_forward(q, kv_cache, meta, window, softcap)
         self._check_inputs(q, k, v, kv_cache, meta)
-        segments = self._kernels.num_segments(meta.num_seqs, kv_cache.shape[3], plan.max_query_len,
+        segments = self._kernels.num_segments(meta.num_seqs, KVTensorLayout.of(kv_cache).num_kv_heads,
+                                              plan.max_query_len,
                                               self._decode_segments)
         self._kernels.write_kv(kv_cache, k, v, meta.slot_mapping)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
@@ -77,7 +79,7 @@ class TritonPagedAttention(PlannedBackend[TritonStepPlan]):
                              "set TRITON_INTERPRET=1 before pagedserve.attention.triton_kernels is imported")
         if kv_cache.dtype not in self._kernels.CACHE_DTYPES:
             raise ValueError(f"kv_cache dtype must be one of {self._kernels.CACHE_DTYPES}, got {kv_cache.dtype}")
-        block_size = kv_cache.shape[2]
+        block_size = KVTensorLayout.of(kv_cache).block_size
         if block_size != meta.block_size or block_size < 16 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 16 and match the cache's {block_size}, "
                              f"got {meta.block_size}")

@@ -4,7 +4,7 @@ Imported only by TritonPagedAttention, lazily: importing this module imports tri
 and triton decides at decoration time whether the kernels run compiled (CUDA tensors)
 or in its interpreter (TRITON_INTERPRET=1, CPU tensors).
 
-The cache is [2, num_blocks, block_size, num_kv_heads, head_dim] of fp32, fp16, bf16
+The cache (one layer's, as core/kv_tensor_layout.py lays it out) is of fp32, fp16, bf16
 or fp8 (e4m3fn / e5m2). Reads widen to fp32. Writes round to nearest even and saturate
 like `backend.to_cache_dtype`, in integer arithmetic on the fp32 bits, so compiled and
 interpreted runs store the bits torch's conversion stores (triton's own narrowing casts
@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+
+from ..core.kv_tensor_layout import KVTensorLayout
 
 # (exponent bits, mantissa bits, largest finite value or 0 for "no clamp") of the
 # narrow cache types the write kernel encodes.
@@ -230,6 +232,7 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
+    layout = KVTensorLayout.of(kv_cache)
     encoding = _ENCODINGS.get(kv_cache.dtype)
     target = kv_cache if encoding is None else kv_cache.view(_BITS_VIEW[kv_cache.element_size()])
     exp_bits, man_bits, max_finite = encoding or (8, 23, 0.0)
@@ -238,7 +241,7 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_KV_HEADS=num_kv_heads, HEADS_P=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim, HEAD_DIM_P=triton.next_power_of_2(head_dim), BLOCK_SIZE=kv_cache.shape[2],
+        HEAD_DIM=head_dim, HEAD_DIM_P=triton.next_power_of_2(head_dim), BLOCK_SIZE=layout.block_size,
         ENCODE=encoding is not None, EXP_BITS=exp_bits, MAN_BITS=man_bits, MAX_FINITE=max_finite,
     )
 
@@ -275,7 +278,8 @@ def paged_attention(
     each (query block, KV head) program's context cut into `segments` (a power of two;
     1 for steps with prefill chunks: num_segments)."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = kv_cache.shape[3]
+    layout = KVTensorLayout.of(kv_cache)
+    num_kv_heads = layout.num_kv_heads
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0:
         return
@@ -299,7 +303,7 @@ def paged_attention(
         q.stride(0), q.stride(1), out_heads.stride(0), out_heads.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
-        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=kv_cache.shape[2],
+        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=layout.block_size,
         NUM_SEGMENTS=segments, NUM_HEADS=num_heads, DOT_FP32=dot_fp32, PRECISION="ieee" if dot_fp32 else "tf32",
     )
     if segments > 1:

@@ -16,9 +16,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..core.contiguous_kv import ContiguousKVCacheManager
+from ..core.kv_tensor_layout import KVTensorLayout
 from ..workload.datasets import BenchRequest
-from ..workload.metrics import RequestRecord, summarize
+from ..workload.serving_stats import RequestRecord, summarize
 from .serve import send_offsets
 
 BASELINES = ("hf", "hf-static")
@@ -110,10 +110,8 @@ def run_engine(loaded, policy: str, requests: Sequence[BenchRequest], *, max_con
         steps.append(StepSample(t, st["num_running"], st["num_waiting"], st["kv_usage"], st["kv_waste"],
                                 total_blocks - st["kv_free_blocks"]))
     duration = time.monotonic() - t0
-    kv = engine.scheduler.kv_cache
-    # A layout's own figure: the contiguous one's peak of committed pages, the paged pool's tensors.
-    kv_bytes = (kv.peak_committed_bytes if isinstance(kv, ContiguousKVCacheManager)
-                else sum(t.numel() * t.element_size() for t in engine.runner.kv_caches))
+    peak = engine.scheduler.kv_cache.peak_committed_bytes
+    kv_bytes = peak if peak is not None else sum(KVTensorLayout.of(t).nbytes for t in engine.runner.kv_caches)
     return RunResult(policy, records, duration, steps, engine.stats()["num_preemptions"], kv_bytes)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..workload.metrics import summary_columns
+from ..workload.serving_stats import summary_columns
 from .compare import RunResult
 
 # A CPU engine makes tens of tokens a second: throughput keeps a decimal.

@@ -24,7 +24,7 @@ import aiohttp
 from tqdm.auto import tqdm
 
 from ..workload.datasets import BenchRequest
-from ..workload.metrics import SLO, RequestRecord, summarize
+from ..workload.serving_stats import SLO, RequestRecord, summarize
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 GOODPUT_KEYS = ("ttft", "tpot", "e2el")

@@ -7,7 +7,7 @@ from .block_pool import Block, BlockPool
 from .config import CacheConfig, SchedulerConfig
 from .kv_cache import Allocation, KVCache, PrefixHit
 from .kv_cache_manager import KVCacheManager
-from .outputs import RequestUpdate, ScheduledRequest, SchedulerOutput, SchedulerStats
+from .scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput, SchedulerStats
 from .request import Request, RequestStatus
 from .scheduler import Scheduler
 

@@ -95,6 +95,13 @@ class KVCache(Protocol):
         """Held memory that stores no token, over held memory."""
         ...
 
+    @property
+    def peak_committed_bytes(self) -> int | None:
+        """The most memory the layout has had committed at once, where it commits memory as
+        tokens arrive; None where its memory is committed whole at start-up (the runner's
+        tensors are then the figure)."""
+        ...
+
     def fit_error(self, num_tokens: int) -> str | None:
         """Why a request of num_tokens could never run here; None if it could."""
         ...

@@ -39,6 +39,9 @@ class KVCacheManager:
     # A block-hash index that KV events (core/kv_events.py) can stream.
     indexes_prefixes = True
 
+    # The pool's tensors are allocated whole before the first request.
+    peak_committed_bytes = None
+
     def __init__(self, config: CacheConfig):
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks

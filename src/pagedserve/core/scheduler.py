@@ -37,7 +37,7 @@ from .config import CacheConfig, SchedulerConfig
 from .kv_cache import Allocation, KVCache, PrefixHit
 from .kv_cache_manager import KVCacheManager
 from .kv_connector import KVConnectorOutput, KVConnectorScheduler
-from .outputs import RequestUpdate, ScheduledRequest, SchedulerOutput, SchedulerStats
+from .scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput, SchedulerStats
 from .policies import make_policy
 from .request import CHILD_ID_SEPARATOR, Request, RequestStatus
 from .request_queue import make_waiting_queue

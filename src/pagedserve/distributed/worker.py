@@ -17,7 +17,7 @@ from ..attention.selector import default_backend_name, get_backend
 from ..config import EngineConfig
 from ..kernels import kernel_report
 from ..model.device import resolve_device_name
-from ..worker.kv_cache import allocate_kv_caches, copy_blocks, kv_cache_torch_dtype
+from ..worker.kv_tensors import allocate_kv_caches, copy_blocks, kv_cache_torch_dtype
 from . import step_message
 from .group import TPGroup
 from .loading import load_parallel_model

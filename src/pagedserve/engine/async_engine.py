@@ -24,7 +24,7 @@ from typing import TypeVar
 from ..outputs import RequestDelta
 from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
-from ..spec_decode.metrics import SpecDecodeStats
+from ..spec_decode.acceptance_stats import SpecDecodeStats
 from .dashboard_feed import DashboardFeed
 from .kv_event_feed import KVEventFeed
 from .llm_engine import LLMEngine

@@ -19,7 +19,7 @@ from ..attention.selector import default_backend_name
 from ..config import EngineConfig, default_kv_cache_memory
 from ..core.config import CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
 from ..core.kv_plan import KV_CACHE_DTYPE_BYTES, KVCachePlan, plan_kv_cache
-from ..core.outputs import SchedulerOutput, SchedulerStats
+from ..core.scheduler_output import SchedulerOutput, SchedulerStats
 from ..core.pd_connector import PagedServeConnectorScheduler
 from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler
@@ -30,16 +30,16 @@ from ..kv_transfer.base import KVConnectorWorker
 from ..kv_transfer.factory import make_kv_connector_worker
 from ..model.config import ModelConfig
 from ..model.loader import LoadedModel, load_model
-from ..model.placement import place_model
+from ..model.device_placement import place_model
 from ..model.lora import LoRASlots
 from ..outputs import Logprob, RequestDelta, RequestMetrics, SampleDelta, TokenLogprobs
 from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
 from ..sampling_state import SamplingState
-from ..spec_decode.metrics import SpecDecodeStats
-from ..structured_output.backend import Matcher
+from ..spec_decode.acceptance_stats import SpecDecodeStats
+from ..structured_output.grammar_backend import Matcher
 from ..structured_output.manager import StructuredOutputManager
-from ..worker.contiguous_kv import build_contiguous_kv
+from ..worker.contiguous_kv_memory import build_contiguous_kv
 from ..worker.draft_model import draft_kv, load_draft
 from ..worker.model_runner import ModelRunner, RunnerOutput
 from ..worker.pooling import finish_embedding

@@ -38,7 +38,7 @@ class Placement:
     @property
     def keeps_loaded_model(self) -> bool:
         """The CPU fp32 path uses the model as loaded (oneDNN-packed); anything else is placed
-        (model/placement.py) from unpacked weights."""
+        (model/device_placement.py) from unpacked weights."""
         return not self.on_gpu and self.config.quantization != "fp8"
 
 

@@ -169,18 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
     EngineConfig.add_cli_args(worker)
     worker.set_defaults(func=cmd_worker)
 
-    from ..router.cli import add_router_parser  # argparse only; the web stack loads inside the command
+    from ..router.router_command import add_router_parser  # argparse only; the web stack loads inside the command
 
     add_router_parser(sub)
 
-    from ..sim.cli import add_doctor_parser, add_kv_parser, add_sim_parser  # pure Python, no torch
+    from ..sim.sim_commands import add_doctor_parser, add_kv_parser, add_sim_parser  # pure Python, no torch
     from .ray_serve.sim_cli import add_ray_config_arg  # the app's YAML for `sim cluster`; never ray
 
     add_ray_config_arg(add_sim_parser(sub))
     add_kv_parser(sub)
     add_doctor_parser(sub)
 
-    from ..bench.cli import add_bench_parser  # argparse only; aiohttp / torch load inside the commands
+    from ..bench.bench_commands import add_bench_parser  # argparse only; aiohttp / torch load inside the commands
 
     add_bench_parser(sub)
     return parser

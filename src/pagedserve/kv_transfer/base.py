@@ -25,7 +25,7 @@ class KVConnectorWorker(ABC):
 
     @abstractmethod
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        """The runner's per-layer caches, [2, num_blocks, block_size, kv_heads, head_dim]."""
+        """The runner's per-layer caches, each laid out as core/kv_tensor_layout.py says."""
 
     @abstractmethod
     def bind_connector_metadata(self, metadata: KVConnectorMetadata | None) -> None:

@@ -18,8 +18,8 @@ Every frame is a fixed 28-byte little-endian header, then its variable parts:
     payload      nbytes raw bytes (LAYER: the blocks' K and V, C order; ERROR: a UTF-8 message)
 
 A consumer sends PULL (the producer's request id and the block ids it wants); the
-producer answers with one LAYER frame per layer (shape [2, nblocks, block_size,
-kv_heads, head_dim]: K then V) or an ERROR; the consumer acknowledges with DONE, which
+producer answers with one LAYER frame per layer (shape `KVTensorLayout.blocks_shape(nblocks)`
+of core/kv_tensor_layout.py: K then V) or an ERROR; the consumer acknowledges with DONE, which
 lets the producer free the blocks. RELEASE (consumer -> producer) says the request will
 never pull, so the blocks go back at once instead of when the lease runs out.
 """

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.kv_connector import KVConnectorOutput, KVTransferConfig
+from ..core.kv_tensor_layout import KVTensorLayout
 from ..core.pd_connector import LoadSpec, PagedServeConnectorMetadata, RemoteBlocks, SendSpec
 from .base import KVConnectorWorker
 from .frame import Frame, FrameError, Kind, read_frame, send_frame
@@ -202,11 +203,12 @@ class PagedServeConnectorWorker(KVConnectorWorker):
             index = torch.tensor(pull.block_ids, dtype=torch.int64)
             with torch.inference_mode():
                 for layer, kv in enumerate(self._kv_caches):
-                    # K and V of the asked blocks, [2, n, block_size, kv_heads, head_dim], moved
-                    # as bytes (torch has no index ops for the fp8 types).
+                    # K and V of the asked blocks, moved as bytes (torch has no index ops for
+                    # the fp8 types).
                     data = kv.view(torch.uint8).index_select(1, index)
-                    send_frame(conn, Frame(Kind.LAYER, rid, layer, pull.block_ids, _dtype_name(kv.dtype),
-                                           (2, len(index), *kv.shape[2:]), memoryview(data.reshape(-1).numpy())))
+                    shape = KVTensorLayout.of(kv).blocks_shape(len(index))
+                    send_frame(conn, Frame(Kind.LAYER, rid, layer, pull.block_ids, _dtype_name(kv.dtype), shape,
+                                           memoryview(data.reshape(-1).numpy())))
             ack = read_frame(conn)
             done = ack.kind is Kind.DONE and ack.request_id == rid
         finally:
@@ -232,15 +234,15 @@ class PagedServeConnectorWorker(KVConnectorWorker):
                         frame = read_frame(s)
                         if frame.kind is Kind.ERROR:
                             raise _LoadError(bytes(frame.payload).decode(errors="replace"))
-                        expected = (2, len(local), *kv.shape[2:])
+                        expected = KVTensorLayout.of(kv).blocks_shape(len(local))
                         if (frame.kind is not Kind.LAYER or frame.layer != layer
                                 or frame.block_ids != spec.remote_block_ids or frame.dtype != _dtype_name(kv.dtype)
                                 or frame.shape != expected):
                             raise _LoadError(f"layer {layer}: got {frame.kind.name} layer {frame.layer} "
                                              f"{frame.dtype} {frame.shape}, expected {_dtype_name(kv.dtype)} {expected}")
-                        raw = kv.view(torch.uint8)
+                        raw = kv.view(torch.uint8)  # head_dim x itemsize bytes per row
                         raw.index_copy_(1, local, torch.frombuffer(frame.payload, dtype=torch.uint8).view(
-                            (2, len(local), *raw.shape[2:])))
+                            KVTensorLayout.of(raw).blocks_shape(len(local))))
                 send_frame(s, Frame(Kind.DONE, remote.request_id))
             ok = True
         except Exception as e:  # any failure must be reported, or the request would wait forever

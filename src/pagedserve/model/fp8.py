@@ -1,5 +1,5 @@
 """FP8 (e4m3) weights: `--quantization fp8`, made from the loaded weights when the model is
-placed on its device (model/placement.py).
+placed on its device (model/device_placement.py).
 
 A weight [N, K] is stored as e4m3 values and one fp32 scale per output channel (row), or one
 for the whole tensor: scale = amax / 448 (e4m3's largest finite value), so each row's largest

@@ -393,7 +393,7 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_caches: list[torch.Tensor],  # one [2, num_blocks, block_size, num_kv_heads, head_dim] per layer
+        kv_caches: list[torch.Tensor],  # one per layer, laid out as KVTensorLayout says
         meta: AttentionMetadata,
         backend: AttentionBackend,
         logits_indices: torch.Tensor,  # [R] rows of the flattened batch whose logits are wanted

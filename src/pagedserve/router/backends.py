@@ -68,7 +68,7 @@ class Backend:
             self.routed = {h: e for h, e in routed.items() if e > now}
 
     def apply(self, message: dict) -> None:
-        """One decoded event-stream message (entrypoints/openai/kv_events.py)."""
+        """One decoded event-stream message (entrypoints/openai/kv_events_endpoint.py)."""
         if message.get("type") == "snapshot":
             self.block_size = int(message["block_size"])
             self.cached = {bytes.fromhex(h) for h in message["hashes"]}

@@ -1,4 +1,4 @@
-"""One routing decision, shared by `pagedserve router` (router/app.py) and the Ray Serve
+"""One routing decision, shared by `pagedserve router` (router/proxy.py) and the Ray Serve
 request router (entrypoints/ray_serve/request_router.py): each replica that may take the
 request becomes a policy Candidate (its load and the prompt tokens its prefix cache is
 expected to hold), the policy picks one, and the prompt's blocks count as held there
@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .backends import Backend
-from .policies import Candidate, Picker
+from .routing_policies import Candidate, Picker
 from .prompt_keys import PromptKeys
 
 

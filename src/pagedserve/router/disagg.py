@@ -39,7 +39,7 @@ from ..http.disconnect import CLIENT_CLOSED, sse, unless_disconnected
 from ..http.errors import APIError, install_error_handlers
 from ..http.middleware import BodyLimitMiddleware
 from ..kv_transfer.frame import Frame, Kind, send_frame
-from .openapi import MODELS_RESPONSES, health_responses, proxied_post, serve_document
+from .router_openapi import MODELS_RESPONSES, health_responses, proxied_post, serve_document
 
 logger = logging.getLogger(__name__)
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -77,7 +77,7 @@ class DisaggRouter:
         self.client: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        # aiohttp, as the replica router (router/app.py): one client library for the router.
+        # aiohttp, as the replica router (router/proxy.py): one client library for the router.
         self.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                             timeout=aiohttp.ClientTimeout(total=self.config.timeout, sock_connect=5.0),
                                             auto_decompress=False)

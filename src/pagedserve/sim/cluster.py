@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 
 from ..core import Request, Scheduler
 from ..core.block_hash import extend_block_hashes
-from ..core.outputs import SchedulerOutput
-from ..router.policies import CacheAwareConfig, Candidate, Picker
+from ..core.scheduler_output import SchedulerOutput
+from ..router.routing_policies import CacheAwareConfig, Candidate, Picker
 from ..workload.datasets import BenchRequest
-from ..workload.metrics import SLO, RequestRecord, summarize
+from ..workload.serving_stats import SLO, RequestRecord, summarize
 from .cost_model import CostModel
 from .scenario import Scenario, build_scenario
 from .simulator import SAMPLED_TOKEN, arrival_times
@@ -105,7 +105,7 @@ class ClusterSetup:
     kv_cache_memory: int | None = None  # bytes per instance; None: the memory plan's share
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    # A replica router policy (router/policies.py), as the Ray app's router section sets it;
+    # A replica router policy (router/routing_policies.py), as the Ray app's router section sets it;
     # None keeps the simulator's own least-loaded choice.
     policy: str | None = None
     cache: CacheAwareConfig = CacheAwareConfig()

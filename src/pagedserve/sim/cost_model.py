@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..core.outputs import SchedulerOutput
+from ..core.scheduler_output import SchedulerOutput
 from ..core.memory_plan import weight_bytes
 from ..core.step_budget import SHORT_QUERY_LEN, StepTimeModel
 from ..core.validation import is_int

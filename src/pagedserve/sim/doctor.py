@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..workload.datasets import BenchRequest, mixed_dataset, random_dataset, shared_prefix_dataset
-from ..workload.metrics import CLASS_TTFT
+from ..workload.serving_stats import CLASS_TTFT
 from ..core.config import SCHEDULING_POLICIES
 from ..core.step_budget import LatencyTarget, choose_budget
 from .cost_model import CostModel

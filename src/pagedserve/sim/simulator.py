@@ -21,7 +21,7 @@ from ..core.config import CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
 from ..core.step_budget import LatencyTarget, PromptSupply, StepBudget
 from ..core.validation import is_int
 from ..workload.datasets import BenchRequest
-from ..workload.metrics import CLASS_TTFT, SLO, RequestRecord, summarize
+from ..workload.serving_stats import CLASS_TTFT, SLO, RequestRecord, summarize
 from .cost_model import CostModel
 
 SAMPLED_TOKEN = 1  # every simulated sample; requests ignore EOS so only lengths matter

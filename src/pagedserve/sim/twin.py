@@ -8,6 +8,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import replace
 
+from ..core.kv_tensor_layout import KVTensorLayout
 from .cost_model import CostModel
 from .hardware import Calibration, Ladder, MeasuredRates
 
@@ -108,8 +109,9 @@ def _attention_step(model, backend, kv_caches, rows: list[tuple[int, int]], bloc
         blocks = -(-(n + ctx) // block_size)
         tables.append(list(range(first, first + blocks)))
         first += blocks
-    if first > kv_caches[0].shape[1]:
-        raise ValueError(f"attention probe needs {first} KV blocks; the engine has {kv_caches[0].shape[1]}")
+    num_blocks = KVTensorLayout.of(kv_caches[0]).num_blocks
+    if first > num_blocks:
+        raise ValueError(f"attention probe needs {first} KV blocks; the engine has {num_blocks}")
     tokens = sum(n for n, _ in rows)
     q = torch.randn(tokens, c.num_heads, c.head_dim)
     k, v = torch.randn(2, tokens, c.num_kv_heads, c.head_dim)

@@ -12,7 +12,7 @@ import llguidance
 import torch
 
 from ..model.tokenizer import Tokenizer
-from .backend import Grammar, Matcher, StructuredOutputBackend
+from .grammar_backend import Grammar, Matcher, StructuredOutputBackend
 
 # llguidance's names for our kinds (a "grammar" may be Lark or GBNF; it converts the latter).
 _FORMATS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}

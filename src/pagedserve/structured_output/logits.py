@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .backend import Matcher
+from .grammar_backend import Matcher
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from ..model.tokenizer import Tokenizer
-from .backend import Grammar, Matcher, StructuredOutputBackend
-from .registry import make_backend
+from .grammar_backend import Grammar, Matcher, StructuredOutputBackend
+from .backend_registry import make_backend
 from .spec import StructuredOutputs
 
 DEFAULT_COMPILE_TIMEOUT = 10.0

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..core.beam_search import BeamCandidates
-from ..core.outputs import ScheduledRequest
+from ..core.scheduler_output import ScheduledRequest
 from ..core.request import Request
 
 

@@ -27,7 +27,7 @@ from ..model.llama import LlamaModel
 from ..model.loader import LoadedModel, load_model
 from ..spec_decode.config import SpeculativeConfig
 from .block_table import BlockTableRows
-from .kv_cache import copy_blocks
+from .kv_tensors import copy_blocks
 
 
 def load_draft(target: LoadedModel, spec: SpeculativeConfig | None, kernels: str) -> LoadedModel | None:

@@ -25,7 +25,7 @@ from ..attention.metadata import AttentionMetadata, slot_mapping
 from ..attention.selector import get_backend
 from ..attention.timed import TimedBackend
 from ..core.kv_plan import KVCachePlan
-from ..core.outputs import ScheduledRequest, SchedulerOutput
+from ..core.scheduler_output import ScheduledRequest, SchedulerOutput
 from ..core.request import Request
 from ..kv_transfer.base import KVConnectorWorker
 from ..model.llama import LlamaModel
@@ -37,7 +37,7 @@ from .block_table import BlockTableRows
 from .cuda_graphs import DecodeGraphRunner, capture_sizes
 from .device_inputs import DeviceInputs
 from .draft_model import DraftModelProposer
-from .kv_cache import allocate_kv_caches, copy_blocks, kv_cache_torch_dtype
+from .kv_tensors import allocate_kv_caches, copy_blocks, kv_cache_torch_dtype
 from .pooling import PoolingPlan, PoolingState, plan_pooling
 from .prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs, plan_prompt_logprobs
 from .row_sampling import RunnerOutput, sample_rows

@@ -13,12 +13,12 @@ import numpy as np
 import torch
 
 from ..core.beam_search import BeamCandidates
-from ..core.outputs import ScheduledRequest
+from ..core.scheduler_output import ScheduledRequest
 from ..core.request import Request
 from ..sampling_params import token_seed
 from ..sampling_state import SamplingState
 from ..spec_decode.verify import num_accepted
-from ..structured_output.backend import Matcher
+from ..structured_output.grammar_backend import Matcher
 from ..structured_output.logits import advance, constrain
 from .prompt_logprobs import PromptLogprobsChunk
 from .sampler import LogprobsTensors, SamplingRow, build_sampling_metadata, make_generator, sample

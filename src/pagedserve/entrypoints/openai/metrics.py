@@ -13,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ...engine.async_engine import AsyncEngine, StepStats
-from ...spec_decode.metrics import SpecDecodeStats
+from ...spec_decode.acceptance_stats import SpecDecodeStats
 
 PREFIX = "pagedserve:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST

@@ -21,8 +21,8 @@ from ...http.reasoning_parsers import ReasoningFormat
 from ...http.tool_parsers import ToolParser
 from .args import ServerConfig
 from .dashboard import install_dashboard
-from .kv_events import install_kv_events
-from .lora import install_lora_routes
+from .kv_events_endpoint import install_kv_events
+from .lora_endpoints import install_lora_routes
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .serving import ServingContext
 from .serving_chat import ChatServing

@@ -24,10 +24,10 @@ from starlette.responses import Response, StreamingResponse
 
 from ...http.errors import APIError
 from ...model.sources import load_model_tokenizer
-from ...router.app import FORWARDED_HEADERS, KEYED_ROUTES, RESPONSE_HEADERS, add_proxied_routes, finish_proxy_app, \
+from ...router.proxy import FORWARDED_HEADERS, KEYED_ROUTES, RESPONSE_HEADERS, add_proxied_routes, finish_proxy_app, \
     mid_stream_failure
 from ...router.disagg import GENERATION_PATHS, client_body, prefill_body, prefill_outcome
-from ...router.openapi import MODELS_RESPONSES, health_responses
+from ...router.router_openapi import MODELS_RESPONSES, health_responses
 from ...router.prompt_keys import NO_KEYS, PromptKeyer, PromptKeys
 from .asgi_call import ProxiedRequest, ReplyStart
 from .replica import REPLICA_HEADER

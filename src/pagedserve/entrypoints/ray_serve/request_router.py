@@ -1,5 +1,5 @@
 """The engine deployment's Serve request router: `pagedserve router`'s policy
-(router/policies.py, router/choice.py) choosing among Serve's replicas.
+(router/routing_policies.py, router/choice.py) choosing among Serve's replicas.
 
 Each replica is a router/backends.Backend: its load is the requests this router has in
 flight there (as `pagedserve router` counts them), and its cached block hashes come from
@@ -18,7 +18,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 
 from ...router.backends import Backend
 from ...router.choice import choose_backend
-from ...router.policies import Picker
+from ...router.routing_policies import Picker
 from ...router.prompt_keys import NO_KEYS, PromptKeys
 from .asgi_call import ProxiedRequest
 from .settings import RouterSettings

@@ -12,7 +12,7 @@
       max_ongoing_requests: 32     # per replica; more wait in the handle's queue
       num_cpus: 1                  # per replica (default: engine.num_threads or 1)
     router:
-      policy: cache_aware          # round_robin, least_load or cache_aware (router/policies.py)
+      policy: cache_aware          # round_robin, least_load or cache_aware (router/routing_policies.py)
       cache_load_weight: 16
       balance_abs_threshold: 4
       balance_rel_threshold: 1.5
@@ -35,7 +35,7 @@ import yaml
 
 from ...config import EngineConfig
 from ...model.config import ModelConfig
-from ...router.policies import POLICIES, CacheAwareConfig
+from ...router.routing_policies import POLICIES, CacheAwareConfig
 from ...workload.datasets import BenchRequest
 from ..openai.args import ServerConfig
 
@@ -230,7 +230,7 @@ def predict(config: RayServeConfig, requests: list[BenchRequest], model: str, ha
     hit rate (hit tokens / looked-up tokens), and its requests' output throughput over the
     run, TTFT and TPOT (NaN for a replica that got none)."""
     from ...sim.cluster import Layout, simulate_cluster
-    from ...workload.metrics import summarize
+    from ...workload.serving_stats import summarize
 
     n = config.replicas.num_replicas
     setup = cluster_setup(config, model, hardware, seed)

@@ -1,6 +1,6 @@
 """`pagedserve sim cluster --ray-config CONFIG.yaml`: what the cluster simulator predicts
 for the Ray Serve app that `pagedserve serve-ray CONFIG.yaml` runs (settings.predict), on
-the workload `sim cluster`'s flags choose. The flag is added here, not in sim/cli.py,
+the workload `sim cluster`'s flags choose. The flag is added here, not in sim/sim_commands.py,
 because it reads the app's settings and sim/ sits below entrypoints/. Nothing here, nor
 in what it loads, imports ray: the prediction needs no Ray."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 import json
 
-from ...sim.cli import CLUSTER_ENGINE_DEFAULTS, cmd_cluster
+from ...sim.sim_commands import CLUSTER_ENGINE_DEFAULTS, cmd_cluster
 from ...workload.datasets import dataset_from_args
 
 # What the replicas run when the YAML names no engine.model: the engine's embedded SmolLM2-135M.

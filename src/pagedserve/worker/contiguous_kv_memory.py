@@ -26,8 +26,9 @@ import torch
 
 from ..core.config import CacheConfig
 from ..core.contiguous_kv import ContiguousKVCacheManager, ContiguousLayout, plan_contiguous
+from ..core.kv_tensor_layout import KVTensorLayout
 from ..model.config import ModelConfig
-from .kv_cache import kv_cache_torch_dtype
+from .kv_tensors import kv_cache_torch_dtype
 
 # Linux's value; Python's mmap module does not export it before 3.13.
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
@@ -74,8 +75,9 @@ class ContiguousKVStore:
         self._address = flat.data_ptr()
         self._pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
         weakref.finalize(self, os.close, self._pagemap)
-        per_layer = flat.view(model.num_layers, 2, layout.num_regions * layout.blocks_per_region, layout.block_size,
-                              model.num_kv_heads, model.head_dim)
+        layer = KVTensorLayout(layout.num_regions * layout.blocks_per_region, layout.block_size, model.num_kv_heads,
+                               model.head_dim, dtype)
+        per_layer = flat.view(model.num_layers, *layer.shape)
         self.kv_caches = list(per_layer.unbind(0))
         self._pages_per_region = self._region_bytes // layout.page_size
         self._entries = np.zeros(0, dtype=np.uint64)

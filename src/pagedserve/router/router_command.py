@@ -9,7 +9,7 @@ from ..config import parse_memory
 from ..http.bounds import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_HEADER_BYTES, limited_http_protocol
 from ..http.middleware import API_KEY_ENV
 from ..http.tool_parsers import TOOL_PARSERS
-from .policies import POLICIES, CacheAwareConfig
+from .routing_policies import POLICIES, CacheAwareConfig
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -52,7 +52,7 @@ def add_router_server_args(parser: argparse.ArgumentParser) -> None:
 
 def build_replica_router(args: argparse.Namespace) -> FastAPI:
     """The replica router's app from parsed flags (loads the tokenizer for cache_aware)."""
-    from .app import RouterConfig, build_router_app
+    from .proxy import RouterConfig, build_router_app
     from .prompt_keys import PromptKeyer
 
     config = RouterConfig(

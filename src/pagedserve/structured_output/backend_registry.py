@@ -1,9 +1,9 @@
 """Structured-output backends by name: the one module that knows every implementation,
-so the interface (backend.py) and each backend import only downwards."""
+so the interface (grammar_backend.py) and each backend import only downwards."""
 from __future__ import annotations
 
 from ..model.tokenizer import Tokenizer
-from .backend import StructuredOutputBackend
+from .grammar_backend import StructuredOutputBackend
 
 BACKENDS = ("llguidance",)
 

@@ -10,7 +10,7 @@ from ..config import parse_memory
 from ..core.config import POLICIES, SCHEDULING_POLICIES
 from ..core.contiguous_kv import KV_LAYOUTS, PAGE_SIZE
 from ..workload.datasets import add_dataset_args, dataset_from_args
-from ..workload.metrics import CLASS_TTFT, summary_columns
+from ..workload.serving_stats import CLASS_TTFT, summary_columns
 from .cost_model import DTYPE_BYTES, DTYPES, GGUF_DTYPE
 from .hardware import HARDWARE_NAMES
 from .models import MODELS
@@ -76,7 +76,7 @@ def add_sim_parser(sub) -> argparse.ArgumentParser:
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    from ..workload.metrics import SLO
+    from ..workload.serving_stats import SLO
     from .scenario import build_scenario
     from .simulator import simulate
 
@@ -173,7 +173,7 @@ def add_cluster_parser(sim_sub) -> argparse.ArgumentParser:
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    from ..workload.metrics import SLO
+    from ..workload.serving_stats import SLO
     from .cluster import ClusterSetup, Layout, max_goodput, simulate_cluster
 
     for name, default in CLUSTER_ENGINE_DEFAULTS.items():

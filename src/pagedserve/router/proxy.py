@@ -28,9 +28,10 @@ from ..http.json_body import validation_error
 from ..http.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from .backends import Backend, BackendMonitor
 from .choice import choose_backend
-from .metrics import RouterMetrics
-from .openapi import METRICS_RESPONSES, MODELS_RESPONSES, POOLING_PATHS, health_responses, proxied_post, serve_document
-from .policies import CacheAwareConfig, Picker
+from .router_metrics import RouterMetrics
+from .router_openapi import (METRICS_RESPONSES, MODELS_RESPONSES, POOLING_PATHS, health_responses, proxied_post,
+                             serve_document)
+from .routing_policies import CacheAwareConfig, Picker
 from .prompt_keys import NO_KEYS, PromptKeyer, PromptKeys
 
 logger = logging.getLogger("pagedserve.router")

@@ -9,7 +9,7 @@ from prometheus_client.registry import Collector
 from starlette.responses import Response
 
 from .backends import Backend
-from .policies import Picker
+from .routing_policies import Picker
 
 PREFIX = "pagedserve_router:"
 
