@@ -20,7 +20,7 @@ import torch
 
 from engine_utils import assert_all_blocks_free, make_llm
 from pagedserve import SamplingParams
-from pagedserve.core.outputs import ScheduledRequest
+from pagedserve.core.scheduler_output import ScheduledRequest
 from pagedserve.core.reasoning import ReasoningPhase, ReasoningState
 from pagedserve.core.request import Request
 from pagedserve.model.loader import load_model
