@@ -217,9 +217,8 @@ class ModelConfig:
             qk_norm_whole=arch == "olmoe",
             clip_qkv=cfg.get("clip_qkv"),
             moe=moe_from_hf(cfg, arch, int(cfg["num_hidden_layers"])),
-            **rope.hf_fields(cfg, rope_params, max_positions),
         )
-        return cls(**{**fields, **variants.hf_fields(arch, cfg)})
+        return cls(**{**fields, **rope.hf_fields(cfg, rope_params, max_positions), **variants.hf_fields(arch, cfg)})
 
 
 @contextlib.contextmanager

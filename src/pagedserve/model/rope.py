@@ -118,8 +118,10 @@ def gguf_fields(get: Callable[..., Any], arch: str) -> dict[str, Any]:
     ext = get("rope.scaling.yarn_ext_factor")
     if ext is not None and ext != 1:
         raise ValueError(f"GGUF {arch}.rope.scaling.yarn_ext_factor={ext!r} is not implemented (only 1, YaRN's)")
-    rs: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor),
-                          "original_max_position_embeddings": get("rope.scaling.original_context_length")}
+    original = get("rope.scaling.original_context_length")
+    if not original:
+        raise ValueError(f"GGUF {arch}.rope.scaling.original_context_length is required for YaRN")
+    rs: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
     for key, ours in (("yarn_attn_factor", "attention_factor"), ("yarn_beta_fast", "beta_fast"),
                       ("yarn_beta_slow", "beta_slow")):
         if get(f"rope.scaling.{key}") is not None:
