@@ -45,7 +45,8 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "partial_rotary_factor": (None, 1, 1.0),  # RoPE over part of a head (Phi-3/4's is read)
     "use_bidirectional_attention": (None, False),
 }
-# Architectures that read a NEUTRAL field themselves (model/config.py, model/variants.py).
+# Architectures that read a NEUTRAL field themselves (model/variants.py), or, Qwen2's
+# attention_bias, whose q/k/v bias transformers applies whatever the field says.
 READ_BY = {"attention_bias": ("qwen2",), "partial_rotary_factor": ("phi3",), "hidden_act": ("gemma2", "gemma3")}
 
 
