@@ -194,8 +194,7 @@ class ModelConfig:
         arch = variants.HF_MODEL_TYPES.get(cfg.get("model_type", ""), cfg.get("model_type", ""))
         hidden = int(cfg["hidden_size"])
         refuse_unimplemented(arch, cfg)
-        # transformers >= 5 writes RoPE settings as one `rope_parameters` dict.
-        rope_params = cfg.get("rope_parameters") or {}
+        rope_params = rope.params(cfg)
         max_positions = int(cfg.get("max_position_embeddings", 4096))
         num_heads = int(cfg["num_attention_heads"])
         fields = dict(
@@ -208,7 +207,7 @@ class ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
+            rope_theta=float(rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2's q/k/v bias is the architecture's; elsewhere the flag would bias o too.

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .rope import params
+
 INERT: dict[str, str] = {
     "_name_or_path": "where the checkpoint was loaded from",
     "architectures": "transformers' class names; model_type picks the architecture",
@@ -52,11 +54,11 @@ READ_BY = {"attention_bias": ("qwen2",), "partial_rotary_factor": ("phi3",), "hi
 
 def refuse_unimplemented(arch: str, cfg: dict[str, Any]) -> None:
     """ValueError naming the first NEUTRAL field of config.json `cfg` (or of its flat
-    `rope_parameters`) that holds a value pagedserve does not implement for `arch`."""
-    rope = cfg.get("rope_parameters") or {}
+    RoPE dict) that holds a value pagedserve does not implement for `arch`."""
+    rope = params(cfg)
     for name, neutral in NEUTRAL.items():
         if arch in READ_BY.get(name, ()):
             continue
-        value = cfg.get(name, rope.get(name))
+        value = rope.get(name, cfg.get(name))
         if value not in neutral:
             raise ValueError(f"{name}={value!r} is not implemented for {arch} (implemented: {neutral[1:]})")

@@ -46,6 +46,13 @@ _ELSEWHERE = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_facto
 _NEEDS_ORIGINAL = ("yarn", "llama3", "longrope")
 
 
+def params(cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json's RoPE dict as transformers takes it: `rope_scaling` (the older form) over
+    `rope_parameters`; either may carry rope_theta and partial_rotary_factor, which win
+    over the top-level fields."""
+    return cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+
+
 def scaling_type(rs: dict[str, Any] | None) -> str | None:
     """The type of a RoPE dict (None or "default": no scaling)."""
     if not rs:
@@ -69,12 +76,11 @@ def check_scaling(rs: dict[str, Any] | None) -> None:
 
 def hf_fields(cfg: dict[str, Any], rope: dict[str, Any], max_positions: int) -> dict[str, Any]:
     """ModelConfig's rope_scaling (and max_position_embeddings, which longrope caps) from
-    config.json `cfg` and its RoPE dict `rope` (`rope_parameters`, or one layer type's)."""
-    scaling = cfg.get("rope_scaling") or (rope if scaling_type(rope) else None)
-    kind = scaling_type(scaling)
+    config.json `cfg` and its RoPE dict `rope` (params(cfg), or one layer type's)."""
+    kind = scaling_type(rope)
     if kind is None:
         return {"rope_scaling": None}
-    out = {k: v for k, v in scaling.items() if k not in _ELSEWHERE}
+    out = {k: v for k, v in rope.items() if k not in _ELSEWHERE}
     out["rope_type"] = kind
     if kind in _NEEDS_ORIGINAL:
         # transformers: a top-level original_max_position_embeddings (Phi-3 writes one) wins.

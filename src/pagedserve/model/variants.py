@@ -90,9 +90,8 @@ def _qwen_window(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
 
 
 def _phi3(cfg: dict[str, Any]) -> dict[str, Any]:
-    params = cfg.get("rope_parameters") or {}
-    return {**_window(cfg), "partial_rotary_factor": float(cfg.get("partial_rotary_factor",
-                                                                   params.get("partial_rotary_factor", 1.0)))}
+    factor = rope.params(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    return {**_window(cfg), "partial_rotary_factor": float(factor)}
 
 
 def _gemma(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -109,7 +108,7 @@ def _gemma(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     else:
         pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
         sliding = tuple((i + 1) % pattern != 0 for i in range(layers))
-    params = cfg.get("rope_parameters") or {}
+    params = rope.params(cfg)
     full, local = params.get("full_attention", params), params.get("sliding_attention", {})
     # The sliding layers' rotary takes the global one's attention factor: only linear scaling,
     # which has none, is served.
@@ -119,7 +118,7 @@ def _gemma(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
                          "(implemented: linear)")
     fields = {
         **_window(cfg), "sliding_layers": sliding, "rope_scaling": scaling,
-        "rope_theta": float(cfg.get("rope_theta", full.get("rope_theta", 10000.0))),
+        "rope_theta": float(full.get("rope_theta", cfg.get("rope_theta", 10000.0))),
         "attn_logit_softcapping": cfg.get("attn_logit_softcapping"),
         "final_logit_softcapping": cfg.get("final_logit_softcapping"),
         "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 256),
