@@ -23,6 +23,9 @@ ARCHITECTURES = {
     "qwen3-qk-norm": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=24)),
     # Windows of 32 keys under a 120-token prompt, so the window decides what layers see.
     "mistral-sliding": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=32)),
+    # Qwen2 windows the layers from max_window_layers on, and only under use_sliding_window.
+    "qwen2-sliding-layers": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
+        use_sliding_window=True, sliding_window=32, max_window_layers=1)),
     "phi3-partial-rope-sliding": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(
         sliding_window=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                             "partial_rotary_factor": 0.5})),

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import variants
+from . import rope, variants
 from .moe_config import MoEConfig, moe_from_gguf, moe_from_hf, sparse_layers_in_file
+from .refused_fields import refuse_unimplemented
 
 # Architectures this engine runs, keyed by GGUF `general.architecture` / HF `model_type`.
 # Mixtral, Qwen3-MoE and OLMoE add experts (model/moe.py); a GGUF calls Mixtral "llama"
@@ -61,8 +62,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before RoPE
-    # HF `rope_scaling` (llama3 type supported). A llama3 GGUF carries the same
-    # information as a `rope_freqs` tensor of per-dimension divisors instead.
+    # RoPE scaling, normalised by model/rope.py (which documents the types). A llama3 GGUF
+    # carries the same information as a `rope_freqs` tensor of per-dimension divisors instead.
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     qk_norm_whole: bool = False  # OLMoE: one RMSNorm over all of q's (and k's) heads, not one per head
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] after the norms
@@ -101,6 +102,7 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         variants.check_fields(self)
+        rope.check_scaling(self.rope_scaling)
 
     def layer_window(self, index: int) -> int:
         """Keys layer `index` may see before a query, its own included (0: every key)."""
@@ -179,7 +181,7 @@ class ModelConfig:
             qk_norm_whole=arch == "olmoe",
             clip_qkv=get("attention.clamp_kqv"),
             moe=moe_from_gguf(meta, arch, layers),
-            **variants.gguf_fields(arch, get),
+            **{**rope.gguf_fields(get, arch), **variants.gguf_fields(arch, get)},
         )
 
     @classmethod
@@ -191,9 +193,9 @@ class ModelConfig:
     def _from_hf_config(cls, cfg: Any) -> "ModelConfig":
         arch = variants.HF_MODEL_TYPES.get(cfg.get("model_type", ""), cfg.get("model_type", ""))
         hidden = int(cfg["hidden_size"])
-        # transformers >= 5 writes RoPE settings as one `rope_parameters` dict.
-        rope = cfg.get("rope_parameters") or {}
-        rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        refuse_unimplemented(arch, cfg)
+        rope_params = rope.params(cfg)
+        max_positions = int(cfg.get("max_position_embeddings", 4096))
         num_heads = int(cfg["num_attention_heads"])
         fields = dict(
             architecture=arch,
@@ -205,17 +207,17 @@ class ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rope_theta=float(rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            # Qwen2's q/k/v bias is the architecture's; elsewhere the flag would bias o too.
+            attention_bias=arch == "qwen2",
             qk_norm=arch in _QK_NORM,
-            rope_scaling=rope_scaling,
             qk_norm_whole=arch == "olmoe",
             clip_qkv=cfg.get("clip_qkv"),
             moe=moe_from_hf(cfg, arch, int(cfg["num_hidden_layers"])),
         )
-        return cls(**{**fields, **variants.hf_fields(arch, cfg)})
+        return cls(**{**fields, **rope.hf_fields(cfg, rope_params, max_positions), **variants.hf_fields(arch, cfg)})
 
 
 @contextlib.contextmanager

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, RopeScalingType
 
+from . import rope
 from .config import ModelConfig
 from .gguf_rewrite import add_tensor_as, copy_metadata, finish
 from .moe_weights import stack_hf_experts
@@ -55,6 +56,30 @@ def _add_config(writer: GGUFWriter, config: ModelConfig) -> None:
         writer.add_expert_used_count(config.moe.top_k)
         writer.add_expert_feed_forward_length(config.moe.expert_size)
         writer.add_expert_weights_norm(config.moe.normalize_top_k)
+    _add_rope_scaling(writer, config)
+
+
+def _add_rope_scaling(writer: GGUFWriter, config: ModelConfig) -> None:
+    """RoPE scaling's metadata as llama.cpp's converter writes it (model/rope.py reads it back);
+    llama3's divisors go in the rope_freqs tensor instead (write_gguf)."""
+    rs, kind = config.rope_scaling, rope.scaling_type(config.rope_scaling)
+    if kind is None or kind == "llama3":
+        return
+    if kind == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rs["factor"])
+        return
+    if kind != "yarn" or rs.get("truncate", True) is not True:
+        raise ValueError(f"write_gguf does not write rope_type {kind!r}" + (" with truncate false" if kind == "yarn" else ""))
+    writer.add_rope_scaling_type(RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rs["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rs["original_max_position_embeddings"])
+    # The factor whatever derived it (mscale / mscale_all_dim have no GGUF key).
+    writer.add_rope_scaling_yarn_attn_factor(rope.attention_factor(config))
+    if rs.get("beta_fast"):
+        writer.add_rope_scaling_yarn_beta_fast(rs["beta_fast"])
+    if rs.get("beta_slow"):
+        writer.add_rope_scaling_yarn_beta_slow(rs["beta_slow"])
 
 
 def write_gguf(dst: str | Path, config: ModelConfig, hf: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -66,13 +91,13 @@ def write_gguf(dst: str | Path, config: ModelConfig, hf: dict[str, torch.Tensor]
     arch = GGUF_ARCHITECTURES.get(config.architecture)
     if arch is None:
         raise ValueError(f"no GGUF architecture for {config.architecture!r}")
-    if config.rope_scaling:
-        raise ValueError("write_gguf does not write RoPE scaling")
     writer = GGUFWriter(dst, arch)
     copy_metadata(GGUFReader(tokenizer_gguf), writer, keep=lambda key: key.startswith("tokenizer."))
     _add_config(writer, config)
     written = {}
     pairs = stack_hf_experts(hf, config).items() if isinstance(hf, dict) else hf
+    if rope.scaling_type(config.rope_scaling) == "llama3":
+        pairs = [*pairs, ("rope_freqs", rope.freq_divisors(config))]
     for hf_name, tensor in pairs:
         if config.tie_word_embeddings and hf_name == "lm_head.weight":
             continue

@@ -21,7 +21,7 @@ from .config import ModelConfig
 from .lora import LoRABatch
 from .moe import MoE, QuantExperts
 from .quant import QTYPES, ConcatLinear, QuantEmbedding, QuantLinear, arithmetic, held_as
-from .variants import rope_attention_factor
+from .rope import attention_factor, default_inv_freq, position_limit
 
 
 class RotaryEmbedding(nn.Module):
@@ -32,8 +32,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = config.rotary_dim
         self.theta = config.rope_theta if theta is None else theta
-        self.attention_factor = rope_attention_factor(config)
-        # Per-dimension divisors of the frequencies (llama3 scaling); loaded with the weights.
+        self.attention_factor = attention_factor(config)
+        self.position_limit = position_limit(config)
+        # Per-dimension divisors of the frequencies (model/rope.py); loaded with the weights.
         self.register_buffer("freq_divisors", torch.ones(self.head_dim // 2), persistent=False)
         self._table: torch.Tensor | None = None
         self._table_len = config.max_position_embeddings
@@ -46,8 +47,10 @@ class RotaryEmbedding(nn.Module):
         self._table = None
 
     def _build(self, length: int) -> torch.Tensor:
-        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
-        inv_freq = 1.0 / (self.theta**exponent) / self.freq_divisors.double().cpu()
+        if self.position_limit is not None and length > self.position_limit:
+            raise ValueError(f"rope_scaling dynamic is exact only below max_position_embeddings "
+                             f"({self.position_limit}); position {length - 1} asked for")
+        inv_freq = default_inv_freq(self.theta, self.head_dim) / self.freq_divisors.double().cpu()
         angles = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq)
         table = torch.cat([angles.cos(), angles.sin()], dim=-1)  # [L, head_dim]
         return (table * self.attention_factor).float()

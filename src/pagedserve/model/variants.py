@@ -1,8 +1,9 @@
 """Phi-3/4 and Gemma 2/3 beside the Llama family: their config.json and GGUF metadata read
 into ModelConfig's fields, and what those fields mean.
 
-- `sliding_window` (Mistral, Phi-3/4, Gemma 2/3): a sliding layer's query sees the keys
-  less than this many positions before it, its own included (HF's `kv_idx > q_idx - window`).
+- `sliding_window` (Mistral, Mixtral, Qwen2/3 under use_sliding_window, Phi-3/4, Gemma 2/3):
+  a sliding layer's query sees the keys less than this many positions before it, its own
+  included (HF's `kv_idx > q_idx - window`).
   `sliding_layers` says which layers slide (None: all of them). Every layer keeps its
   whole K/V in the paged cache; the window only masks (attention/backend.py). So prefix
   caching, copy-on-write and preemption see the blocks of a Llama model, as vLLM keeps
@@ -14,9 +15,9 @@ into ModelConfig's fields, and what those fields mean.
   `rope_theta`, with `rope_scaling`).
 - `partial_rotary_factor` (Phi-3/4): RoPE turns the first head_dim * factor dims of a head.
 
-Phi-3/4's LongRoPE switches a whole sequence to other frequencies once it grows past the
-original context, which a cache of keys rotated at the old ones cannot follow: pagedserve
-serves such a model at its original context with the short factors (`max_position_embeddings`
+Phi-3/4's LongRoPE (model/rope.py computes it) switches a whole sequence to other
+frequencies once it grows past the original context, which a cache of keys rotated at the
+old ones cannot follow: pagedserve serves such a model at its original context with the short factors (`max_position_embeddings`
 becomes `original_max_position_embeddings`), which is what transformers computes below it.
 """
 from __future__ import annotations
@@ -24,6 +25,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from . import rope
 
 if TYPE_CHECKING:  # model/config.py imports this module, and sim/ reads configs without torch
     import torch
@@ -72,20 +75,23 @@ def _window(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"sliding_window": int(cfg["sliding_window"]) if cfg.get("sliding_window") else None}
 
 
+def _qwen_window(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """transformers windows Qwen2/3(-MoE) only under use_sliding_window: Qwen2/3 the layers
+    `layer_types` calls sliding (by default those from max_window_layers on), Qwen3-MoE all."""
+    window, use = cfg.get("sliding_window"), cfg.get("use_sliding_window")
+    types, first = cfg.get("layer_types"), int(cfg.get("max_window_layers", 28))
+    if not (use and window):
+        return {"sliding_window": None}
+    if arch == "qwen3_moe":
+        return {"sliding_window": int(window)}
+    layers = int(cfg["num_hidden_layers"])
+    types = types or ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    return {"sliding_window": int(window), "sliding_layers": tuple(t == "sliding_attention" for t in types)}
+
+
 def _phi3(cfg: dict[str, Any]) -> dict[str, Any]:
-    rope = cfg.get("rope_parameters") or {}
-    fields = {**_window(cfg), "partial_rotary_factor": float(cfg.get("partial_rotary_factor",
-                                                                     rope.get("partial_rotary_factor", 1.0)))}
-    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind not in ("longrope", "su"):
-            raise ValueError(f"rope_scaling type {kind!r} is not supported for phi3 (supported: longrope, su)")
-        original = int(cfg.get("original_max_position_embeddings") or scaling["original_max_position_embeddings"])
-        fields["max_position_embeddings"] = min(original, int(cfg.get("max_position_embeddings", original)))
-        fields["rope_scaling"] = {**scaling, "rope_type": "longrope", "original_max_position_embeddings": original,
-                                  "max_position_embeddings": int(cfg.get("max_position_embeddings", original))}
-    return fields
+    factor = rope.params(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    return {**_window(cfg), "partial_rotary_factor": float(factor)}
 
 
 def _gemma(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -102,14 +108,17 @@ def _gemma(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     else:
         pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
         sliding = tuple((i + 1) % pattern != 0 for i in range(layers))
-    rope = cfg.get("rope_parameters") or {}
-    full, local = rope.get("full_attention", rope), rope.get("sliding_attention", {})
-    scaling = cfg.get("rope_scaling") or (full if full.get("rope_type", "default") != "default" else None)
-    if scaling and scaling.get("rope_type", scaling.get("type")) != "linear":
-        raise ValueError(f"rope_scaling {scaling!r} is not supported for {arch} (supported: linear)")
+    params = rope.params(cfg)
+    full, local = params.get("full_attention", params), params.get("sliding_attention", {})
+    # The sliding layers' rotary takes the global one's attention factor: only linear scaling,
+    # which has none, is served.
+    scaling = rope.hf_fields(cfg, full, int(cfg.get("max_position_embeddings", 4096)))["rope_scaling"]
+    if rope.scaling_type(scaling) not in (None, "linear"):
+        raise ValueError(f"rope_scaling type {rope.scaling_type(scaling)!r} is not implemented for {arch} "
+                         "(implemented: linear)")
     fields = {
         **_window(cfg), "sliding_layers": sliding, "rope_scaling": scaling,
-        "rope_theta": float(cfg.get("rope_theta", full.get("rope_theta", 10000.0))),
+        "rope_theta": float(full.get("rope_theta", cfg.get("rope_theta", 10000.0))),
         "attn_logit_softcapping": cfg.get("attn_logit_softcapping"),
         "final_logit_softcapping": cfg.get("final_logit_softcapping"),
         "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 256),
@@ -122,6 +131,10 @@ def _gemma(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
 
 _HF_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "mistral": _window,
+    "mixtral": _window,
+    "qwen2": lambda cfg: _qwen_window(cfg, "qwen2"),
+    "qwen3": lambda cfg: _qwen_window(cfg, "qwen3"),
+    "qwen3_moe": lambda cfg: _qwen_window(cfg, "qwen3_moe"),
     "phi3": _phi3,
     "gemma2": lambda cfg: _gemma(cfg, "gemma2"),
     "gemma3": lambda cfg: _gemma(cfg, "gemma3"),
@@ -146,13 +159,11 @@ def gguf_fields(arch: str, get: Callable[..., Any]) -> dict[str, Any]:
         sliding = tuple(i % 2 == 0 for i in range(layers))
     else:
         sliding = tuple((i + 1) % int(pattern or 6) != 0 for i in range(layers))
-    factor = get("rope.scaling.factor")
     fields = {
         "sliding_window": int(get("attention.sliding_window")), "sliding_layers": sliding,
         "attn_logit_softcapping": get("attn_logit_softcapping"), "final_logit_softcapping": get("final_logit_softcapping"),
         "query_pre_attn_scalar": float(get("attention.scale")) ** -2 if get("attention.scale")
         else float(hidden // heads if big else head_dim),
-        "rope_scaling": {"rope_type": "linear", "factor": float(factor)} if factor and factor != 1 else None,
     }
     if arch == "gemma3":
         fields["rope_local_theta"] = 10000.0
@@ -202,33 +213,3 @@ def _phi3_gguf(get: Callable[..., Any]) -> dict[str, Any]:
         fields["rope_scaling"] = {"rope_type": "longrope", "attention_factor": get("rope.scaling.attn_factor"),
                                   "original_max_position_embeddings": int(original), "max_position_embeddings": context}
     return fields
-
-
-def rope_divisors(config: Any) -> torch.Tensor | None:
-    """Per-dimension divisors of the RoPE frequencies for linear scaling (Gemma 3's global
-    layers) and LongRoPE's short factors (Phi-3/4); None for the other types."""
-    import torch
-
-    rs = config.rope_scaling
-    kind = rs and rs.get("rope_type", rs.get("type"))
-    if kind == "linear":
-        return torch.full((config.rotary_dim // 2,), float(rs["factor"]))
-    if kind == "longrope":
-        factors = torch.tensor(rs["short_factor"], dtype=torch.float32)
-        if factors.shape != (config.rotary_dim // 2,):
-            raise ValueError(f"rope_scaling.short_factor has {factors.numel()} entries; "
-                             f"RoPE turns {config.rotary_dim} dims (needs {config.rotary_dim // 2})")
-        return factors
-    return None
-
-
-def rope_attention_factor(config: Any) -> float:
-    """LongRoPE's scale on cos and sin (transformers' default when the config names none)."""
-    rs = config.rope_scaling
-    if not rs or rs.get("rope_type") != "longrope":
-        return 1.0
-    if rs.get("attention_factor") is not None:
-        return float(rs["attention_factor"])
-    original = rs["original_max_position_embeddings"]
-    factor = rs["max_position_embeddings"] / original
-    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))

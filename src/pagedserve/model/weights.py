@@ -7,7 +7,6 @@ layer is three GEMMs (plus the output projection) instead of six.
 """
 from __future__ import annotations
 
-import math
 import re
 import warnings
 from collections.abc import Callable, Collection
@@ -17,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import variants
+from . import rope, variants
 from .config import ModelConfig
 from .gguf_file import GGUFTensor
 from .moe_weights import GGUF_EXPERT_NAMES, expert_matrices, keep_experts_whole, stack_hf_experts
@@ -136,24 +135,6 @@ def hf_tensors_from_safetensors(folder: Path, as_stored: bool = False) -> dict[s
     return out
 
 
-def llama3_freq_divisors(config: ModelConfig) -> torch.Tensor | None:
-    """Per-dimension divisors of RoPE frequencies for `rope_type: llama3`, as a llama3
-    GGUF stores them in `rope_freqs` (wavelengths beyond the original context are
-    stretched by `factor`, short ones kept, the band between interpolated)."""
-    rs = config.rope_scaling
-    if not rs or rs.get("rope_type", rs.get("type")) != "llama3":
-        return None
-    factor, low, high = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
-    old_ctx = rs["original_max_position_embeddings"]
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim))
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    divisor = 1.0 / ((1 - smooth) / factor + smooth)
-    divisor = torch.where(wavelen > old_ctx / low, torch.full_like(wavelen, factor), divisor)
-    divisor = torch.where(wavelen < old_ctx / high, torch.ones_like(wavelen), divisor)
-    return divisor.float()
-
-
 def fused_matrices(config: ModelConfig, hf_names: Collection[str]) -> dict[str, list[str]]:
     """Each weight matrix of pagedserve's LlamaModel -> the HF matrices whose rows it
     concatenates (q/k/v into qkv, gate/up into gate_up; Phi-3/4 store both fused already)."""
@@ -185,11 +166,9 @@ def fuse_hf_tensors(hf: dict[str, torch.Tensor], config: ModelConfig, apart: Col
         for fused, parts in fused_matrices(config, hf).items()
     }
     sd["norm.weight"] = hf["model.norm.weight"]
-    divisors = hf.get("rope_freqs")
+    divisors = hf.get("rope_freqs")  # a llama3 GGUF's, a Phi-3 GGUF's short factors
     if divisors is None:
-        divisors = llama3_freq_divisors(config)
-    if divisors is None:
-        divisors = variants.rope_divisors(config)
+        divisors = rope.freq_divisors(config)
     if divisors is not None:
         sd["rope_freq_divisors"] = divisors
     for i in range(config.num_layers):
