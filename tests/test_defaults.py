@@ -9,7 +9,7 @@ import pytest
 
 from engine_utils import assert_all_blocks_free, check_busy_batch
 from pagedserve import LLM
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.engine.placement import resolve_placement
 from pagedserve.kernels import native_unavailable_reason
 from pagedserve.model.loader import LoadedModel

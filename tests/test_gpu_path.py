@@ -14,7 +14,7 @@ from engine_utils import GREEDY, assert_all_blocks_free, busy_batch, make_llm
 from pagedserve import SamplingParams
 from pagedserve.attention.selector import default_backend_name, get_backend
 from pagedserve.attention.testing import random_step
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.core.kv_plan import KVCachePlan, plan_kv_cache
 from pagedserve.engine.device_memory import device_memory_plan, kv_dtype_bytes
 from pagedserve.engine.placement import resolve_placement

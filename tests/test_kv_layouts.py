@@ -15,7 +15,7 @@ from pagedserve import SamplingParams
 from pagedserve.attention.backend import ReferenceBackend, to_cache_dtype
 from pagedserve.attention.contiguous_backend import ContiguousAttention, NativeContiguousAttention
 from pagedserve.attention.testing import contiguous_step
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.engine.dashboard_feed import DashboardFeed
 from pagedserve.model.loader import load_model
 

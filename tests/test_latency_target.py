@@ -7,7 +7,7 @@ import json
 import pytest
 
 from engine_utils import assert_all_blocks_free, busy_batch, make_llm
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.core.step_budget import AUTO_ITL_RATIO, LatencyTarget, StepTimeModel
 from pagedserve.engine.step_timing import calibration_entry, prior_step_time_model, step_time_model
 from pagedserve.model.loader import load_model

@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from pagedserve.config import EngineConfig
-from pagedserve.core.config import GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
+from pagedserve.engine_config import EngineConfig
+from pagedserve.core.scheduler_config import GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
 DRAFT = {"method": "draft_model", "model": "self:2"}

@@ -17,7 +17,7 @@ import pytest
 
 from engine_utils import make_llm
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.distributed.ray_ranks import placement_strategy
 from pagedserve.model.loader import load_model
 from server.server_process import start_server

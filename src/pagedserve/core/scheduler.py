@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from .beam_search import BeamCandidates
-from .config import CacheConfig, SchedulerConfig
+from .scheduler_config import CacheConfig, SchedulerConfig
 from .kv_cache import Allocation, KVCache, PrefixHit
 from .kv_cache_manager import KVCacheManager
 from .kv_connector import KVConnectorOutput, KVConnectorScheduler

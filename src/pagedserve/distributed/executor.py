@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..config import EngineConfig
+from ..engine_config import EngineConfig
 from ..kernels import kernel_report
 from ..model.loader import LoadedModel, resolve_model
 from ..worker.model_runner import StepInputs

@@ -27,7 +27,7 @@ from ray.exceptions import RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ..config import EngineConfig
+from ..engine_config import EngineConfig
 from .group import TPGroup, free_init_method
 from .ranks import RankFailedError
 from .worker import serve_rank

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.selector import default_backend_name, get_backend
-from ..config import EngineConfig
+from ..engine_config import EngineConfig
 from ..kernels import kernel_report
 from ..model.device import resolve_device_name
 from ..worker.kv_cache import allocate_kv_caches, copy_blocks, kv_cache_torch_dtype

@@ -3,7 +3,7 @@ the same function `pagedserve sim` / `kv` price with the cost model's (sim/memor
 two agree for the same model, memory and limits (tests/test_gpu_path.py checks it)."""
 from __future__ import annotations
 
-from ..config import EngineConfig
+from ..engine_config import EngineConfig
 from ..core.kv_plan import KV_CACHE_DTYPE_BYTES
 from ..core.memory_plan import DeviceMemoryPlan, plan_device_memory
 from ..model.config import ModelConfig

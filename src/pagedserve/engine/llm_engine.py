@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from ..attention.selector import default_backend_name
-from ..config import EngineConfig, default_kv_cache_memory
-from ..core.config import CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
+from ..engine_config import EngineConfig, default_kv_cache_memory
+from ..core.scheduler_config import CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
 from ..core.kv_plan import KV_CACHE_DTYPE_BYTES, KVCachePlan, plan_kv_cache
 from ..core.outputs import SchedulerOutput, SchedulerStats
 from ..core.pd_connector import PagedServeConnectorScheduler

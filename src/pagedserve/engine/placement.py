@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import EngineConfig
+from ..engine_config import EngineConfig
 from ..model.device import resolve_device_name, torch_dtype
 from ..model.loader import LoadedModel
 

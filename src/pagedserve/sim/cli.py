@@ -6,8 +6,8 @@ import dataclasses
 import json
 import math
 
-from ..config import parse_memory
-from ..core.config import POLICIES, SCHEDULING_POLICIES
+from ..engine_config import parse_memory
+from ..core.scheduler_config import POLICIES, SCHEDULING_POLICIES
 from ..core.contiguous_kv import KV_LAYOUTS, PAGE_SIZE
 from ..workload.datasets import add_dataset_args, dataset_from_args
 from ..workload.metrics import CLASS_TTFT, summary_columns

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..workload.datasets import BenchRequest, mixed_dataset, random_dataset, shared_prefix_dataset
 from ..workload.metrics import CLASS_TTFT
-from ..core.config import SCHEDULING_POLICIES
+from ..core.scheduler_config import SCHEDULING_POLICIES
 from ..core.step_budget import LatencyTarget, choose_budget
 from .cost_model import CostModel
 from .scenario import DEFAULT_CHUNK_BUDGET, Scenario, build_scenario

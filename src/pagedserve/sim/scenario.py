@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..core.config import MIN_WHOLE_PROMPT_BUDGET, whole_prompt_budget
+from ..core.scheduler_config import MIN_WHOLE_PROMPT_BUDGET, whole_prompt_budget
 from ..core.contiguous_kv import PAGE_SIZE, ContiguousLayout, check_kv_layout, plan_contiguous
 from ..model.config import ModelConfig
 from .cost_model import GGUF_DTYPE, CostModel

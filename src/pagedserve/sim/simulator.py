@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ..core import CacheConfig, Request, Scheduler, SchedulerConfig
 from ..core.contiguous_kv import ContiguousKVCacheManager, ContiguousLayout
-from ..core.config import CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
+from ..core.scheduler_config import CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
 from ..core.step_budget import LatencyTarget, PromptSupply, StepBudget
 from ..core.validation import is_int
 from ..workload.datasets import BenchRequest

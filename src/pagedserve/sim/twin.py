@@ -264,8 +264,8 @@ def calibrate() -> tuple[Calibration, object, list[tuple[int, float]]]:
     import torch
 
     from ..attention.cpu_backend import PREFILL_MIN_QUERY_LEN
-    from ..config import default_num_threads
-    from ..core.config import MIN_WHOLE_PROMPT_BUDGET
+    from ..engine_config import default_num_threads
+    from ..core.scheduler_config import MIN_WHOLE_PROMPT_BUDGET
     from ..engine.step_timing import calibration_entry
 
     threads = default_num_threads()

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from ...config import EngineConfig
+from ...engine_config import EngineConfig
 from ...model.config import ModelConfig
 from ...router.policies import POLICIES, CacheAwareConfig
 from ...workload.datasets import BenchRequest

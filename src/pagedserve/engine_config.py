@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from .core.config import (
+from .core.scheduler_config import (
     GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS,
     MIN_WHOLE_PROMPT_BUDGET,
     POLICIES,
@@ -29,7 +29,7 @@ from .core.validation import require_int
 from .kernels import KERNEL_CHOICES, resolve_kernels
 from .model.config import GGUF_WEIGHTS, QUANTIZATION_CHOICES
 from .model.device import CUDA_QUANTIZATION, DEVICE_CHOICES, DTYPE_CHOICES, resolve_dtype_name
-from .spec_decode.config import SpeculativeConfig
+from .spec_decode.spec_config import SpeculativeConfig
 
 
 def parse_memory(value: str | int | float) -> int:
