@@ -141,9 +141,9 @@ class ContiguousKVCacheManager:
     indexes_prefixes = False
 
     def __init__(self, config: CacheConfig, layout: ContiguousLayout, memory: RegionMemory | None):
-        """`memory` None: no OS to ask (the simulator); the page arithmetic is the reading.
-        The layout has no prefix cache whatever `config` says: EngineConfig.resolve refuses
-        enable_prefix_caching beside it, and the simulator turns it off."""
+        """`memory` None: no OS to ask (the simulator); the page arithmetic is the reading."""
+        if config.enable_prefix_caching:
+            raise ValueError("enable_prefix_caching needs the paged KV layout (the contiguous one shares no pages)")
         self.layout = layout
         self.block_size = config.block_size
         self.memory = memory

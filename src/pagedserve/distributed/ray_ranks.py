@@ -27,7 +27,7 @@ from ray.exceptions import RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ..resolved_config import ResolvedConfig
+from ..resolved_config import ParallelConfig, ResolvedConfig
 from .group import TPGroup, free_init_method
 from .ranks import RankFailedError
 from .worker import serve_rank
@@ -59,22 +59,22 @@ class RankActor:
 
     def serve(self, config: ResolvedConfig, rank: int, init_method: str) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
-        torch.set_num_threads(rank_cpus(config))
+        torch.set_num_threads(rank_cpus(config.parallel))
         try:
             serve_rank(config, rank, init_method)
         finally:
             TPGroup.destroy()
 
 
-def rank_cpus(config: ResolvedConfig) -> int:
+def rank_cpus(parallel: ParallelConfig) -> int:
     """CPUs each rank's bundle reserves, and the torch threads it runs: Ray's accounting is
     where a rank's share of a node is stated."""
-    return config.parallel.num_threads or 1
+    return parallel.num_threads or 1
 
 
-def placement_strategy(node_cpus: float, config: ResolvedConfig) -> str:
+def placement_strategy(node_cpus: float, parallel: ParallelConfig) -> str:
     """STRICT_PACK when the engine's node holds every rank's CPUs, else SPREAD."""
-    return "STRICT_PACK" if node_cpus >= config.parallel.tensor_parallel_size * rank_cpus(config) else "SPREAD"
+    return "STRICT_PACK" if node_cpus >= parallel.tensor_parallel_size * rank_cpus(parallel) else "SPREAD"
 
 
 class RayRanks:
@@ -103,8 +103,8 @@ class RayRanks:
     def _place(self, config: ResolvedConfig) -> PlacementGroup:
         here = ray.get_runtime_context().get_node_id()
         node_cpus = next((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["NodeID"] == here), 0)
-        size, cpus = config.parallel.tensor_parallel_size, rank_cpus(config)
-        strategy = placement_strategy(node_cpus, config)
+        size, cpus = config.parallel.tensor_parallel_size, rank_cpus(config.parallel)
+        strategy = placement_strategy(node_cpus, config.parallel)
         pg = placement_group([{"CPU": cpus}] * size, strategy=strategy,
                              bundle_label_selector=[{NODE_ID_LABEL: here}] + [{}] * (size - 1))
         if not pg.wait(PLACEMENT_TIMEOUT_S):
@@ -121,7 +121,7 @@ class RayRanks:
         actor_class = ray.remote(max_restarts=0, max_task_retries=0)(RankActor)
         for rank in range(1, config.parallel.tensor_parallel_size):
             strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
-            options = dict(num_cpus=rank_cpus(config), scheduling_strategy=strategy,
+            options = dict(num_cpus=rank_cpus(config.parallel), scheduling_strategy=strategy,
                            name=f"pagedserve-tp-rank{rank}-{self.placement_group.id.hex()[:8]}")
             if env:
                 options["runtime_env"] = {"env_vars": env}

@@ -149,9 +149,9 @@ class LLMEngine:
                           keep_blocks=self.kernels == "native" and keeps and config.load.gguf_weights == "blocks")
 
     def _build(self, config: ResolvedConfig, loaded: LoadedModel, start: float) -> None:
-        parts = build_parts(config, self._parts | {"loaded": loaded, "tp": self.tp,
-                                                   "keeps_loaded_model": self.placement.keeps_loaded_model})
-        self._parts = parts
+        parts = self._parts
+        parts.update(loaded=loaded, tp=self.tp, keeps_loaded_model=self.placement.keeps_loaded_model)
+        build_parts(config, parts)
         self.loaded, self.tokenizer = loaded, loaded.tokenizer
         self.max_model_len: int = parts["max_model_len"]
         self.kv_store = parts["kv_store"]
