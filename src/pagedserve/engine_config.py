@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .attention.backend_names import TRITON_BACKEND
 from .core.scheduler_config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -361,8 +362,6 @@ class EngineConfig:
             if self.dtype not in ("auto", "float32"):
                 raise ValueError(f"dtype={self.dtype!r} runs on cuda only; on device='cpu' the model computes in float32")
             return
-        from .attention.selector import TRITON_BACKEND  # here: the backends import torch, which a config need not
-
         if self.quantization not in CUDA_QUANTIZATION:
             raise ValueError(f"quantization={self.quantization!r} runs on pagedserve's CPU kernels only; "
                              f"on device='cuda' use one of {', '.join(CUDA_QUANTIZATION)}")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .backend import PlannedBackend
+from .backend_names import TRITON_BACKEND
 from .metadata import AttentionMetadata
 
 
@@ -36,7 +37,7 @@ class TritonPagedAttention(PlannedBackend[TritonStepPlan]):
     """`decode_segments`: how many parts a decode step of few sequences cuts each
     context into (split-KV, so that such a step still fills the GPU); a power of two."""
 
-    name = "triton"
+    name = TRITON_BACKEND
     masks = False
 
     def __init__(self, decode_segments: int | None = None) -> None:
