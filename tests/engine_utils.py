@@ -9,7 +9,7 @@ KV_BYTES_PER_BLOCK = 30 * 2 * 3 * 64 * 4 * 16  # SmolLM2-135M, fp32, block 16
 
 def make_llm(loaded, **options) -> LLM:
     """An LLM over the already-loaded weights (loading is not what these tests test)."""
-    from pagedserve.config import EngineConfig
+    from pagedserve.engine_config import EngineConfig
     from pagedserve.engine.llm_engine import LLMEngine
 
     options.setdefault("kv_cache_memory", 256 * KV_BYTES_PER_BLOCK)

@@ -89,7 +89,7 @@ def test_beams_alone_equal_beams_in_a_busy_batch(tiny):
 def test_beams_share_the_prompt_blocks_and_abort_frees_them(tiny):
     llm, _, _, _ = tiny
     engine = llm.engine
-    bs = engine.config.block_size
+    bs = engine.config.kv.block_size
     prompt = list(range(1000, 1000 + 3 * bs + 2))  # three full blocks and a partial one
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=20, beam_width=4, n=4, ignore_eos=True),
                        request_id="beams")

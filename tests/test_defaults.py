@@ -9,7 +9,7 @@ import pytest
 
 from engine_utils import assert_all_blocks_free, check_busy_batch
 from pagedserve import LLM
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.engine.placement import resolve_placement
 from pagedserve.kernels import native_unavailable_reason
 from pagedserve.model.loader import LoadedModel
@@ -22,7 +22,7 @@ def test_the_native_library_is_built():
 
 def _resolved(**options) -> tuple[str, str]:
     config = resolve_placement(EngineConfig(device="cpu", **options)).config
-    return config.quantization, config.kv_cache_dtype
+    return config.load.quantization, config.kv.kv_cache_dtype
 
 
 def test_a_gguf_on_the_native_kernels_defaults_to_its_blocks_with_int8_and_fp16_kv():
@@ -48,14 +48,14 @@ def test_a_model_loaded_by_the_caller_keeps_what_it_was_loaded_as():
 
     for q in ("none", "gguf", "q8_0"):
         config = resolve_placement(EngineConfig(device="cpu"), loaded(q)).config
-        assert config.quantization == q
-        assert config.kv_cache_dtype == ("fp16" if q == "gguf" else "auto")
+        assert config.load.quantization == q
+        assert config.kv.kv_cache_dtype == ("fp16" if q == "gguf" else "auto")
 
 
 def test_the_default_engine_runs_int8_blocks_and_an_fp16_cache_and_is_batch_invariant():
     llm = LLM()
     engine = llm.engine
-    assert (engine.config.quantization, engine.config.kv_cache_dtype) == ("gguf", "fp16")
+    assert (engine.config.load.quantization, engine.config.kv.kv_cache_dtype) == ("gguf", "fp16")
     assert str(engine.runner.kv_caches[0].dtype) == "torch.float16"
     assert "int8 arithmetic" in engine.loaded.model.describe_weights()
     assert engine.scheduler.step_budget is not None  # the automatic target

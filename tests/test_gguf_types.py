@@ -122,7 +122,7 @@ def test_a_mixed_file_runs_on_native_blocks_with_the_dense_models_tokens(mixed_g
 def test_the_start_up_log_says_which_path_each_matrix_takes(mixed_gguf, caplog, quantization, arithmetic):
     import logging
 
-    from pagedserve.config import EngineConfig
+    from pagedserve.engine_config import EngineConfig
     from pagedserve.engine.llm_engine import LLMEngine
 
     with caplog.at_level(logging.INFO, logger="pagedserve.engine.llm_engine"):

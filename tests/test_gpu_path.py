@@ -14,7 +14,7 @@ from engine_utils import GREEDY, assert_all_blocks_free, busy_batch, make_llm
 from pagedserve import SamplingParams
 from pagedserve.attention.selector import default_backend_name, get_backend
 from pagedserve.attention.testing import random_step
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.core.kv_plan import KVCachePlan, plan_kv_cache
 from pagedserve.engine.device_memory import device_memory_plan, kv_dtype_bytes
 from pagedserve.engine.placement import resolve_placement
@@ -84,7 +84,7 @@ def test_fp8_needs_no_native_kernels_and_cuda_options_parse_from_the_cli():
 def test_cuda_placement_defaults_to_bf16_and_triton_and_refuses_cpu_only_parts(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     placement = resolve_placement(EngineConfig(device="auto"))
-    assert placement.device.type == "cuda" and placement.config.dtype == "bfloat16" and not placement.keeps_loaded_model
+    assert placement.device.type == "cuda" and placement.config.device.dtype == "bfloat16" and not placement.keeps_loaded_model
     assert default_backend_name("torch", "cuda") == "triton"
     with pytest.raises(ValueError, match="attention_backend='cpu' runs on cpu"):
         resolve_placement(EngineConfig(device="cuda", attention_backend="cpu"))
@@ -92,7 +92,7 @@ def test_cuda_placement_defaults_to_bf16_and_triton_and_refuses_cpu_only_parts(m
         resolve_placement(EngineConfig(device="cuda", speculative_config={"method": "draft_model", "model": "self:2"}))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cpu = resolve_placement(EngineConfig())
-    assert cpu.device.type == "cpu" and cpu.config.dtype == "float32" and cpu.keeps_loaded_model
+    assert cpu.device.type == "cpu" and cpu.config.device.dtype == "float32" and cpu.keeps_loaded_model
     assert not resolve_placement(EngineConfig(quantization="fp8")).keeps_loaded_model
 
 
@@ -187,7 +187,7 @@ def with_eager_graphs(llm, max_cudagraph_batch=None, width=None):
     """Swap the (unused) runner for one that replays decodes from eager graphs."""
     e, old = llm.engine, llm.engine.runner
     plan = KVCachePlan(old.kv_caches[0].shape[1], old.block_size, 0)
-    e.runner = ModelRunner(e.loaded.model, plan, e.config.max_num_seqs, e.max_model_len,
+    e.runner = ModelRunner(e.loaded.model, plan, e.config.scheduling.max_num_seqs, e.max_model_len,
                            eos_token_ids=old.eos_token_ids, attention_backend=old.backend.name,
                            decode_graphs="eager", max_cudagraph_batch=max_cudagraph_batch)
     if width is not None:
@@ -296,7 +296,7 @@ def test_the_engines_device_plan_is_the_simulators(dtype, quantization, kv, sim_
     m, hw = MODELS[model], get_hardware(hardware)
     config = EngineConfig(device="cuda", dtype=dtype, quantization=quantization, kv_cache_dtype=kv,
                           max_num_seqs=128, max_num_batched_tokens=2048, gpu_memory_utilization=0.85)
-    ours = device_memory_plan(config, m, hw.memory_bytes, dtype, 2048)
+    ours = device_memory_plan(config.resolve("cuda"), m, hw.memory_bytes, 2048)
     sim = plan_memory(CostModel(m, hw, sim_dtype, sim_kv), 16, 2048, 128, 0.85)
     assert ours == sim
     # The pool the runner allocates from that plan holds the same blocks.
@@ -307,7 +307,7 @@ def test_the_engines_device_plan_is_the_simulators(dtype, quantization, kv, sim_
 def test_device_plan_names_what_does_not_fit():
     config = EngineConfig(device="cuda", dtype="float32", max_num_batched_tokens=2048)
     with pytest.raises(ValueError, match="no room for the KV cache"):
-        device_memory_plan(config, MODELS["llama-3.3-70b"], 80 << 30, "float32", 2048)
+        device_memory_plan(config.resolve("cuda"), MODELS["llama-3.3-70b"], 80 << 30, 2048)
 
 
 # ------------------------------------------------------------------ device inputs

@@ -10,7 +10,7 @@ from pagedserve.attention.backend import ReferenceBackend, to_cache_dtype, write
 from pagedserve.attention.cpu_backend import PREFILL_MIN_QUERY_LEN, CpuPagedAttention
 from pagedserve.attention.native_backend import NativePagedAttention
 from pagedserve.attention.testing import random_step
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.kernels import native_unavailable_reason
 from pagedserve.worker.kv_tensors import kv_cache_torch_dtype
 

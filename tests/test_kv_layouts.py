@@ -15,7 +15,7 @@ from pagedserve import SamplingParams
 from pagedserve.attention.backend import ReferenceBackend, to_cache_dtype
 from pagedserve.attention.contiguous_backend import ContiguousAttention, NativeContiguousAttention
 from pagedserve.attention.testing import contiguous_step
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.engine.dashboard_feed import DashboardFeed
 from pagedserve.model.loader import load_model
 
@@ -131,8 +131,8 @@ def test_options_that_need_shared_pages_are_refused():
         EngineConfig(attention_backend="contiguous").resolve("cpu")
     with pytest.raises(ValueError, match="kv_layout"):
         EngineConfig(kv_layout="virtual")
-    assert EngineConfig(kv_layout="contiguous").resolve("cpu").enable_prefix_caching is False
-    assert EngineConfig().resolve("cpu").enable_prefix_caching is True
+    assert EngineConfig(kv_layout="contiguous").resolve("cpu").kv.enable_prefix_caching is False
+    assert EngineConfig().resolve("cpu").kv.enable_prefix_caching is True
 
 
 @pytest.mark.parametrize("backend", [ContiguousAttention, NativeContiguousAttention], ids=["torch", "native"])

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from engine_utils import assert_all_blocks_free, busy_batch, make_llm
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.core.step_budget import AUTO_ITL_RATIO, LatencyTarget, StepTimeModel
 from pagedserve.engine.step_timing import calibration_entry, prior_step_time_model, step_time_model
 from pagedserve.model.loader import load_model
@@ -54,16 +54,19 @@ def test_target_flags_are_validated_by_name():
         EngineConfig(itl_target_ms=0)
     with pytest.raises(ValueError, match="ttft_target_ms"):
         EngineConfig(ttft_target_ms=float("nan"))
-    assert EngineConfig(ttft_target_ms=500).latency_target().ttft_s == 0.5
+    assert EngineConfig(ttft_target_ms=500).resolve("cpu").scheduling.latency_target.ttft_s == 0.5
 
 
 def test_the_automatic_target_is_the_default_only_where_nothing_fixes_the_budget():
-    assert EngineConfig().latency_target() == LatencyTarget(itl_ratio=AUTO_ITL_RATIO)
-    assert EngineConfig().effective_max_num_batched_tokens(8192) == 2048
-    assert EngineConfig(itl_target_ms=80).latency_target() == LatencyTarget(itl_s=0.08)
-    assert EngineConfig(max_num_batched_tokens=256).latency_target() is None
-    assert EngineConfig(policy="continuous").latency_target() is None
-    assert EngineConfig(enable_chunked_prefill=False).latency_target() is None
+    def scheduling(**options):
+        return EngineConfig(**options).resolve("cpu").scheduling
+
+    assert scheduling().latency_target == LatencyTarget(itl_ratio=AUTO_ITL_RATIO)
+    assert scheduling().scheduler_config(8192).max_num_batched_tokens == 2048
+    assert scheduling(itl_target_ms=80).latency_target == LatencyTarget(itl_s=0.08)
+    assert scheduling(max_num_batched_tokens=256).latency_target is None
+    assert scheduling(policy="continuous").latency_target is None
+    assert scheduling(enable_chunked_prefill=False).latency_target is None
 
 
 def test_a_target_needs_chunked_prefill(loaded):

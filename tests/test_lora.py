@@ -19,7 +19,7 @@ from model_utils import BLOCK_SIZE, new_kv_caches, step_metadata
 from pagedserve import SamplingParams
 from pagedserve.attention.selector import default_backend_name, get_backend
 from pagedserve.bench.lora_adapters import write_random_adapter
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.core.block_hash import ROOT_HASH, extend_block_hashes, hash_block
 from pagedserve.kernels import resolve_kernels
 from pagedserve.model.loader import load_model

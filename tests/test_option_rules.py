@@ -1,15 +1,19 @@
 """Which options go together: every rule lives in EngineConfig.resolve, which refuses each
-conflicting set with one ValueError naming the options, before anything is loaded; and the
-command line is built from the fields' own metadata, with EngineConfig's defaults."""
+conflicting set with one ValueError naming the options, before anything is loaded, and no
+other module checks it again; the command line is built from the fields' own metadata,
+with EngineConfig's defaults."""
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 
-from pagedserve.config import EngineConfig
-from pagedserve.core.config import GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
+from pagedserve.engine_config import EngineConfig
+from pagedserve.core.scheduler_config import GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS, MIN_WHOLE_PROMPT_BUDGET
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
 DRAFT = {"method": "draft_model", "model": "self:2"}
@@ -97,24 +101,26 @@ def test_a_runner_built_directly_refuses_decode_graphs_beside_a_draft_model():
 
 def test_resolve_fills_what_follows_from_the_other_options_and_is_idempotent():
     cpu = EngineConfig(kernels="torch").resolve("cpu")
-    assert (cpu.device, cpu.kernels, cpu.dtype, cpu.quantization, cpu.kv_cache_dtype) == (
+    assert (cpu.device.name, cpu.device.kernels, cpu.device.dtype, cpu.load.quantization, cpu.kv.kv_cache_dtype) == (
         "cpu", "torch", "float32", "none", "auto")
-    assert cpu.enable_prefix_caching is True and cpu.max_num_batched_tokens is None
-    assert EngineConfig(kernels="torch", kv_layout="contiguous").resolve("cpu").enable_prefix_caching is False
+    assert cpu.kv.enable_prefix_caching is True and cpu.scheduling.max_num_batched_tokens is None
+    assert EngineConfig(kernels="torch", kv_layout="contiguous").resolve("cpu").kv.enable_prefix_caching is False
     cuda = EngineConfig().resolve("cuda")
-    assert (cuda.device, cuda.kernels, cuda.dtype, cuda.quantization) == ("cuda", "torch", "bfloat16", "none")
-    assert cuda.max_num_batched_tokens == GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS and cuda.latency_target() is None
+    assert (cuda.device.name, cuda.device.kernels, cuda.device.dtype, cuda.load.quantization) == (
+        "cuda", "torch", "bfloat16", "none")
+    assert (cuda.scheduling.max_num_batched_tokens == GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
+            and cuda.scheduling.latency_target is None)
     # A target, a fixed budget or a policy that never chunks keeps cuda's budget as given.
-    assert EngineConfig(itl_target_ms=50).resolve("cuda").max_num_batched_tokens is None
-    assert EngineConfig(max_num_batched_tokens=512).resolve("cuda").max_num_batched_tokens == 512
-    assert EngineConfig(policy="continuous").resolve("cuda").max_num_batched_tokens is None
-    assert EngineConfig(kernels="torch").resolve("cpu", loaded_as="q8_0").quantization == "q8_0"
+    assert EngineConfig(itl_target_ms=50).resolve("cuda").scheduling.max_num_batched_tokens is None
+    assert EngineConfig(max_num_batched_tokens=512).resolve("cuda").scheduling.max_num_batched_tokens == 512
+    assert EngineConfig(policy="continuous").resolve("cuda").scheduling.max_num_batched_tokens is None
+    assert EngineConfig(kernels="torch").resolve("cpu", loaded_as="q8_0").load.quantization == "q8_0"
     for config in (cpu, cuda):
-        assert config.resolve(config.device) == config
+        assert EngineConfig.from_resolved(config).resolve(config.device.name) == config
 
 
 def test_gguf_weights_auto_keeps_narrow_weights_as_stored_unless_dtype_float32_is_asked_for():
-    resolved = [EngineConfig(quantization="none", **o).resolve("cpu").gguf_weights
+    resolved = [EngineConfig(quantization="none", **o).resolve("cpu").load.gguf_weights
                 for o in ({}, dict(dtype="float32"), dict(dtype="float32", gguf_weights="blocks"),
                           dict(gguf_weights="dense"))]
     assert resolved == ["blocks", "dense", "blocks", "dense"]
@@ -187,3 +193,70 @@ def test_every_field_round_trips_through_its_flag(name, flags, value):
 
 def test_the_round_trip_table_names_every_field():
     assert [name for name, _, _ in ROUND_TRIPS] == [f.name for f in dataclasses.fields(EngineConfig)]
+
+
+# ------------------------------------------------------------------ one home per rule
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "pagedserve"
+RULE_HOMES = {SRC / "engine_config.py", SRC / "core" / "scheduler_config.py"}
+
+
+def _rule_messages() -> list[str]:
+    """The literal text of every ValueError that resolve's rules raise: the longest constant
+    piece of each message raised in engine_config.py's EngineConfig.resolve and _check_*/_scheduling
+    methods and module-level check_* functions, and in core's check_seats_fit_budget."""
+    pieces = []
+    for path in RULE_HOMES:
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef) or not (fn.name in ("resolve", "_scheduling")
+                                                           or fn.name.startswith(("_check_", "check_"))):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
+                    parts = [c.value for arg in node.exc.args for c in ast.walk(arg)
+                             if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+                    pieces.append(max(parts, key=len).strip())
+    return pieces
+
+
+def test_every_rule_message_of_resolve_lives_in_one_place():
+    messages = _rule_messages()
+    assert len(messages) >= 35 and all(len(m) >= 12 for m in messages), messages
+    elsewhere = {p: p.read_text() for p in SRC.rglob("*.py") if p not in RULE_HOMES}
+    copies = [(m, str(p.relative_to(SRC))) for m in messages for p, text in elsewhere.items() if m in text]
+    assert not copies, f"a rule of resolve is checked again outside it: {copies}"
+
+
+# A token budget (or a budget-sized default) given as the literal 512, in any of the forms
+# the simulator, the Ray app and the scheduler config once wrote it.
+BUDGET_512 = re.compile(r"(?i)(max_num_batched_tokens|budget)\w*\W{0,3}(:[^=\n]*)?=\s*512\b|or 512\b"
+                        r"|budget \(default 512\)|\"max_num_batched_tokens\": 512")
+
+
+def test_the_literal_default_budget_is_defined_once():
+    defined = [str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if BUDGET_512.search(p.read_text())]
+    assert defined == ["core/scheduler_config.py"], defined
+
+
+@pytest.mark.parametrize("options,for_worker,names", [
+    (dict(tensor_parallel_size=2, nnodes=2, node_rank=1, distributed_init_method=INIT), False, ("node_rank",)),
+    (dict(), True, ("nnodes", "node-rank")),
+    (dict(max_num_seqs=4096, policy="chunked", max_num_batched_tokens=1024), False,
+     ("max_num_seqs", "max_num_batched_tokens")),
+])
+def test_rules_about_the_nodes_role_and_the_seats_fire_from_resolve(options, for_worker, names):
+    with pytest.raises(ValueError) as error:
+        EngineConfig(**options).resolve("cpu", for_worker=for_worker)
+    for name in names:
+        assert name in str(error.value)
+
+
+def test_the_budget_is_decided_once_by_resolve():
+    cpu = EngineConfig(kernels="torch").resolve("cpu").scheduling
+    assert (cpu.max_num_batched_tokens, cpu.step_token_cap) == (None, MIN_WHOLE_PROMPT_BUDGET)
+    assert cpu.scheduler_config(8192).max_num_batched_tokens == MIN_WHOLE_PROMPT_BUDGET
+    fixed = EngineConfig(kernels="torch", max_num_batched_tokens=300).resolve("cpu").scheduling
+    assert (fixed.step_token_cap, fixed.latency_target) == (300, None)
+    whole = EngineConfig(kernels="torch", policy="continuous").resolve("cpu").scheduling
+    assert whole.step_token_cap is None and whole.scheduler_config(8192).max_num_batched_tokens == 8192

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.kernels import resolve_kernels
 from pagedserve.model.gguf_file import read_tensors

@@ -17,7 +17,7 @@ import pytest
 
 from engine_utils import make_llm
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.distributed.ray_ranks import placement_strategy
 from pagedserve.model.loader import load_model
 from server.server_process import start_server
@@ -27,10 +27,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def test_the_group_packs_on_one_node_only_when_the_engine_node_holds_every_rank():
-    assert placement_strategy(4, EngineConfig(tensor_parallel_size=2, num_threads=2)) == "STRICT_PACK"
-    assert placement_strategy(2, EngineConfig(tensor_parallel_size=2, num_threads=2)) == "SPREAD"
-    assert placement_strategy(2, EngineConfig(tensor_parallel_size=3)) == "SPREAD"  # 1 CPU a rank by default
-    assert placement_strategy(3, EngineConfig(tensor_parallel_size=3)) == "STRICT_PACK"
+    def parallel(**options):
+        return EngineConfig(**options).resolve("cpu").parallel
+
+    assert placement_strategy(4, parallel(tensor_parallel_size=2, num_threads=2)) == "STRICT_PACK"
+    assert placement_strategy(2, parallel(tensor_parallel_size=2, num_threads=2)) == "SPREAD"
+    assert placement_strategy(2, parallel(tensor_parallel_size=3)) == "SPREAD"  # 1 CPU a rank by default
+    assert placement_strategy(3, parallel(tensor_parallel_size=3)) == "STRICT_PACK"
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from pagedserve.core.scheduler_output import ScheduledRequest
 from pagedserve.core.request import Request
 from pagedserve.model.loader import load_model
 from pagedserve.sampling_state import SamplingState
-from pagedserve.spec_decode.config import SpeculativeConfig
+from pagedserve.spec_decode.spec_config import SpeculativeConfig
 from pagedserve.spec_decode.acceptance_stats import SpecDecodeStats
 from pagedserve.spec_decode.ngram import propose_ngram
 from pagedserve.worker.row_sampling import sample_rows

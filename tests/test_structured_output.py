@@ -27,7 +27,7 @@ def loaded():
 
 def make_llm(loaded, **options) -> LLM:
     """An LLM over the already-loaded weights (loading is not what these tests test)."""
-    from pagedserve.config import EngineConfig
+    from pagedserve.engine_config import EngineConfig
     from pagedserve.engine.llm_engine import LLMEngine
 
     options.setdefault("kv_cache_memory", 512 * KV_BYTES_PER_BLOCK)

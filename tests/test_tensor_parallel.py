@@ -25,7 +25,7 @@ import torch
 from conftest import REFERENCE_NEW_TOKENS
 from engine_utils import BUSY_PROBES, KV_BYTES_PER_BLOCK, assert_all_blocks_free, busy_batch, check_busy_batch, make_llm
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.distributed import step_message
 from pagedserve.distributed.executor import RankFailedError
 from pagedserve.distributed.loading import load_shard

@@ -8,7 +8,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.openai.args import ServerConfig
 from pagedserve.entrypoints.openai.server import build_app

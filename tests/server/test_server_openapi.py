@@ -76,7 +76,7 @@ def test_the_document_lists_every_route_the_app_serves(enable_lora):
     document itself, its /docs page and the dashboard's static files are outside it."""
     from fastapi.routing import APIRoute
 
-    from pagedserve.config import EngineConfig
+    from pagedserve.engine_config import EngineConfig
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.entrypoints.openai.args import ServerConfig
     from pagedserve.entrypoints.openai.server import build_app

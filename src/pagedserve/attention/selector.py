@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .backend import AttentionBackend, ReferenceBackend
+from .backend_names import TRITON_BACKEND
 from .contiguous_backend import ContiguousAttention, NativeContiguousAttention
 from .cpu_backend import CpuPagedAttention
 from .native_backend import NativePagedAttention
@@ -16,9 +17,8 @@ _BACKENDS: dict[str, type] = {
     NativeContiguousAttention.name: NativeContiguousAttention,
 }
 DEFAULT_BACKEND = CpuPagedAttention.name
-# The GPU backend. Its module imports without triton; building one without it is a
-# ValueError that says why.
-TRITON_BACKEND = TritonPagedAttention.name
+# The GPU backend (TRITON_BACKEND, TritonPagedAttention). Its module imports without
+# triton; building one without it is a ValueError that says why.
 
 
 def default_backend_name(kernels: str, device: str = "cpu", kv_layout: str = "paged") -> str:

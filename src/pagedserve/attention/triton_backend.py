@@ -17,6 +17,7 @@ import torch
 
 from ..core.kv_tensor_layout import KVTensorLayout
 from .backend import PlannedBackend
+from .backend_names import TRITON_BACKEND
 from .metadata import AttentionMetadata
 
 
@@ -37,7 +38,7 @@ class TritonPagedAttention(PlannedBackend[TritonStepPlan]):
     """`decode_segments`: how many parts a decode step of few sequences cuts each
     context into (split-KV, so that such a step still fills the GPU); a power of two."""
 
-    name = "triton"
+    name = TRITON_BACKEND
     masks = False
 
     def __init__(self, decode_segments: int | None = None) -> None:

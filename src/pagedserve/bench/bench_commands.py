@@ -7,7 +7,7 @@ import gc
 import json
 import math
 
-from ..core.config import POLICIES
+from ..core.scheduler_config import POLICIES
 from ..workload.datasets import add_dataset_args, dataset_from_args
 
 
@@ -102,7 +102,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_compare(args: argparse.Namespace) -> int:
-    from ..config import parse_memory
+    from ..engine_config import parse_memory
     from ..model.loader import load_model
     from ..model.registry import default_model_path
     from . import compare

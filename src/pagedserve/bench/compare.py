@@ -67,7 +67,7 @@ class RunResult:
 def run_engine(loaded, policy: str, requests: Sequence[BenchRequest], *, max_concurrency: int | None = None,
                request_rate: float = math.inf, n: int = 1, seed: int = 0, **engine_options) -> RunResult:
     """The workload through one policy; engine_options go to EngineConfig (kv_cache_memory, ...)."""
-    from ..config import EngineConfig
+    from ..engine_config import EngineConfig
     from ..engine.llm_engine import LLMEngine
     from ..sampling_params import SamplingParams
 

@@ -4,7 +4,7 @@ The simulator reuses these classes with a cost model in place of the model
 runner, so nothing here may import torch or numpy.
 """
 from .block_pool import Block, BlockPool
-from .config import CacheConfig, SchedulerConfig
+from .scheduler_config import CacheConfig, SchedulerConfig
 from .kv_cache import Allocation, KVCache, PrefixHit
 from .kv_cache_manager import KVCacheManager
 from .scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput, SchedulerStats

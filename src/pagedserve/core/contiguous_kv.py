@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from .config import CacheConfig
+from .scheduler_config import CacheConfig
 from .kv_cache import NO_CHANGE, NO_HIT, Allocation, PrefixHit
 from .request import Request
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .block_hash import extend_block_hashes
 from .block_pool import BLOCK_ID, Block, BlockPool
-from .config import CacheConfig
+from .scheduler_config import CacheConfig
 from .kv_cache import NO_CHANGE, NO_HIT, Allocation, BlockMap, PrefixHit
 from .kv_events import KVEventLog
 from .request import Request

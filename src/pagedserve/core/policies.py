@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .config import SchedulerConfig
+from .scheduler_config import SchedulerConfig
 from .request import Request
 from .request_queue import RequestQueue
 

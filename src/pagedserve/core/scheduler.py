@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from .beam_search import BeamCandidates
-from .config import CacheConfig, SchedulerConfig
+from .scheduler_config import CacheConfig, SchedulerConfig
 from .kv_cache import Allocation, KVCache, PrefixHit
 from .kv_cache_manager import KVCacheManager
 from .kv_connector import KVConnectorOutput, KVConnectorScheduler
@@ -117,16 +117,10 @@ class Scheduler:
         half of a KV connector (disaggregated prefill/decode); None calls nothing of it.
         `kv_cache`: another KV layout; None builds the paged one from cache_config."""
         self.config = scheduler_config
-        # For callers that build a scheduler directly: the engine's options met these rules in EngineConfig.resolve.
-        if kv_connector is not None and scheduler_config.policy not in ("chunked", "continuous"):
-            raise ValueError(f"a KV connector needs policy 'chunked' or 'continuous', got {scheduler_config.policy!r}")
+        # Which options go together (a connector's policy, a target's chunked prefill and
+        # cap) is EngineConfig.resolve's; the engine and the simulator build from its parts.
         self.transfers: NoTransfers | TransferHooks = (
             TransferHooks(kv_connector) if kv_connector is not None else NoTransfers())
-        if step_budget is not None and not scheduler_config.chunked_prefill:
-            raise ValueError("a latency target needs chunked prefill (policy 'chunked', enable_chunked_prefill)")
-        if step_budget is not None and step_budget.cap > scheduler_config.max_num_batched_tokens:
-            raise ValueError(f"the latency target's cap ({step_budget.cap}) must not exceed max_num_batched_tokens "
-                             f"({scheduler_config.max_num_batched_tokens})")
         self.step_budget = step_budget
         self.cache_config = cache_config
         self.block_size = cache_config.block_size

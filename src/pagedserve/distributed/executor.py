@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 import torch
 
-from ..config import EngineConfig
 from ..kernels import kernel_report
 from ..model.loader import LoadedModel, resolve_model
+from ..resolved_config import ResolvedConfig
 from ..worker.model_runner import StepInputs
 from . import step_message
 from .group import TPGroup, free_local_init_method
@@ -42,10 +42,7 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class TensorParallelExecutor:
-    def __init__(self, config: EngineConfig):
-        if config.node_rank != 0:
-            raise ValueError("the engine runs on node 0 (node_rank 0); start the ranks of other nodes with "
-                             "`pagedserve worker --node-rank R ...`")
+    def __init__(self, config: ResolvedConfig):
         if torch.distributed.is_initialized():
             raise ValueError("this process already holds a torch.distributed group (another tensor-parallel "
                              "engine?): one per process; shut the other engine down first")
@@ -57,12 +54,12 @@ class TensorParallelExecutor:
         self._failure: RankFailedError | None = None
         atexit.register(self.shutdown)
         try:
-            shard, self.group = load_parallel_model(config.model, 0, config.tensor_parallel_size,
+            shard, self.group = load_parallel_model(config.load.model, 0, config.parallel.tensor_parallel_size,
                                                     lambda: self._join(init_method), with_tokenizer=True)
         except BaseException:
             self.shutdown()
             raise
-        self.loaded = LoadedModel(shard.name, resolve_model(config.model), shard.config, shard.model, shard.tokenizer)
+        self.loaded = LoadedModel(shard.name, resolve_model(config.load.model), shard.config, shard.model, shard.tokenizer)
         self._watcher = threading.Thread(target=self._watch, name="pagedserve-tp-watch", daemon=True)
         self._watcher.start()
 
@@ -73,7 +70,7 @@ class TensorParallelExecutor:
 
         def join() -> None:
             try:
-                result.append(TPGroup.join(init_method, 0, self.config.tensor_parallel_size))
+                result.append(TPGroup.join(init_method, 0, self.config.parallel.tensor_parallel_size))
             except BaseException as e:  # handed to the caller's thread
                 result.append(e)
 
@@ -155,13 +152,14 @@ class TensorParallelExecutor:
             TPGroup.destroy()
 
 
-def _start_ranks(config: EngineConfig) -> tuple[str, Ranks]:
+def _start_ranks(config: ResolvedConfig) -> tuple[str, Ranks]:
     """The ranks other than 0 (this node's for mp, every one for ray), started, and the
     address where they meet rank 0."""
-    if config.distributed_executor_backend == "ray":
+    parallel = config.parallel
+    if parallel.distributed_executor_backend == "ray":
         from .ray_ranks import RayRanks  # here: ray is the `ray` extra's, which the mp backend does not need
 
         ranks = RayRanks(config)
         return ranks.init_method, ranks
-    init_method = config.distributed_init_method or free_local_init_method()
-    return init_method, SpawnedRanks(spawn_ranks(config, range(1, config.ranks_per_node), init_method))
+    init_method = parallel.distributed_init_method or free_local_init_method()
+    return init_method, SpawnedRanks(spawn_ranks(config, range(1, parallel.ranks_per_node), init_method))

@@ -27,7 +27,7 @@ from ray.exceptions import RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ..config import EngineConfig
+from ..resolved_config import ParallelConfig, ResolvedConfig
 from .group import TPGroup, free_init_method
 from .ranks import RankFailedError
 from .worker import serve_rank
@@ -57,30 +57,30 @@ class RankActor:
         context = ray.get_runtime_context()
         return RankPlace(rank, context.get_node_id(), ray.util.get_node_ip_address(), os.getpid())
 
-    def serve(self, config: EngineConfig, rank: int, init_method: str) -> None:
+    def serve(self, config: ResolvedConfig, rank: int, init_method: str) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
-        torch.set_num_threads(rank_cpus(config))
+        torch.set_num_threads(rank_cpus(config.parallel))
         try:
             serve_rank(config, rank, init_method)
         finally:
             TPGroup.destroy()
 
 
-def rank_cpus(config: EngineConfig) -> int:
+def rank_cpus(parallel: ParallelConfig) -> int:
     """CPUs each rank's bundle reserves, and the torch threads it runs: Ray's accounting is
     where a rank's share of a node is stated."""
-    return config.num_threads or 1
+    return parallel.num_threads or 1
 
 
-def placement_strategy(node_cpus: float, config: EngineConfig) -> str:
+def placement_strategy(node_cpus: float, parallel: ParallelConfig) -> str:
     """STRICT_PACK when the engine's node holds every rank's CPUs, else SPREAD."""
-    return "STRICT_PACK" if node_cpus >= config.tensor_parallel_size * rank_cpus(config) else "SPREAD"
+    return "STRICT_PACK" if node_cpus >= parallel.tensor_parallel_size * rank_cpus(parallel) else "SPREAD"
 
 
 class RayRanks:
     """The actors of ranks 1 .. N-1 in their placement group; `init_method` is where they meet rank 0."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: ResolvedConfig):
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(logging_level=logging.WARNING)
@@ -100,11 +100,11 @@ class RayRanks:
         self._follower = threading.Thread(target=self._follow, name="pagedserve-ray-ranks", daemon=True)
         self._follower.start()
 
-    def _place(self, config: EngineConfig) -> PlacementGroup:
+    def _place(self, config: ResolvedConfig) -> PlacementGroup:
         here = ray.get_runtime_context().get_node_id()
         node_cpus = next((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["NodeID"] == here), 0)
-        size, cpus = config.tensor_parallel_size, rank_cpus(config)
-        strategy = placement_strategy(node_cpus, config)
+        size, cpus = config.parallel.tensor_parallel_size, rank_cpus(config.parallel)
+        strategy = placement_strategy(node_cpus, config.parallel)
         pg = placement_group([{"CPU": cpus}] * size, strategy=strategy,
                              bundle_label_selector=[{NODE_ID_LABEL: here}] + [{}] * (size - 1))
         if not pg.wait(PLACEMENT_TIMEOUT_S):
@@ -116,12 +116,12 @@ class RayRanks:
         logger.info("placement group %s: %d ranks x %d CPU, %s", pg.id.hex(), size, cpus, strategy)
         return pg
 
-    def _start_actors(self, config: EngineConfig) -> None:
+    def _start_actors(self, config: ResolvedConfig) -> None:
         env = {name: os.environ[name] for name in FORWARDED_ENV if name in os.environ}
         actor_class = ray.remote(max_restarts=0, max_task_retries=0)(RankActor)
-        for rank in range(1, config.tensor_parallel_size):
+        for rank in range(1, config.parallel.tensor_parallel_size):
             strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
-            options = dict(num_cpus=rank_cpus(config), scheduling_strategy=strategy,
+            options = dict(num_cpus=rank_cpus(config.parallel), scheduling_strategy=strategy,
                            name=f"pagedserve-tp-rank{rank}-{self.placement_group.id.hex()[:8]}")
             if env:
                 options["runtime_env"] = {"env_vars": env}

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.selector import default_backend_name, get_backend
-from ..config import EngineConfig
+from ..engine_config import EngineConfig
 from ..kernels import kernel_report
 from ..model.device import resolve_device_name
+from ..resolved_config import ResolvedConfig
 from ..worker.kv_tensors import allocate_kv_caches, copy_blocks, kv_cache_torch_dtype
 from . import step_message
 from .group import TPGroup
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 class WorkerArgs:
     """What a spawned rank is started with (pickled over spawn's local pipe only)."""
 
-    config: EngineConfig
+    config: ResolvedConfig
     rank: int
     init_method: str
 
@@ -40,7 +41,7 @@ def worker_main(args: WorkerArgs) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{args.rank} %(name)s: %(message)s",
                         stream=sys.stderr)
     config = args.config
-    torch.set_num_threads(config.rank_num_threads())
+    torch.set_num_threads(config.parallel.rank_num_threads())
     serve_rank(config, args.rank, args.init_method)
     TPGroup.destroy()
     # Told to shut down: nothing is left to save, and the interpreter's own teardown of
@@ -51,14 +52,14 @@ def worker_main(args: WorkerArgs) -> None:
 
 
 @torch.inference_mode()
-def serve_rank(config: EngineConfig, rank: int, init_method: str) -> None:
+def serve_rank(config: ResolvedConfig, rank: int, init_method: str) -> None:
     """`config`: resolved (EngineConfig.resolve), by rank 0's engine or by `run_node`."""
-    kernels = config.kernels
-    size = config.tensor_parallel_size
-    loaded, group = load_parallel_model(config.model, rank, size, lambda: TPGroup.join(init_method, rank, size))
+    kernels = config.device.kernels
+    size = config.parallel.tensor_parallel_size
+    loaded, group = load_parallel_model(config.load.model, rank, size, lambda: TPGroup.join(init_method, rank, size))
     model = loaded.model
     model.set_kernels(kernels)
-    backend = get_backend(config.attention_backend or default_backend_name(kernels))
+    backend = get_backend(config.device.attention_backend or default_backend_name(kernels))
     kind, info = step_message.receive(group)
     if kind == Kind.SHUTDOWN:  # rank 0 gave up before the KV pool was sized
         return
@@ -83,12 +84,12 @@ def serve_rank(config: EngineConfig, rank: int, init_method: str) -> None:
             model(step.input_ids, step.positions, kv_caches, step.meta, backend, step.logits_indices)
 
 
-def node_ranks(config: EngineConfig) -> range:
-    per = config.ranks_per_node
-    return range(config.node_rank * per, (config.node_rank + 1) * per)
+def node_ranks(config: ResolvedConfig) -> range:
+    per = config.parallel.ranks_per_node
+    return range(config.parallel.node_rank * per, (config.parallel.node_rank + 1) * per)
 
 
-def spawn_ranks(config: EngineConfig, ranks: range, init_method: str) -> list[mp.process.BaseProcess]:
+def spawn_ranks(config: ResolvedConfig, ranks: range, init_method: str) -> list[mp.process.BaseProcess]:
     ctx = mp.get_context("spawn")
     procs = []
     for rank in ranks:
@@ -101,14 +102,12 @@ def spawn_ranks(config: EngineConfig, ranks: range, init_method: str) -> list[mp
 
 def run_node(config: EngineConfig) -> int:
     """`pagedserve worker`: run this node's ranks until they end; non-zero if any failed."""
-    if config.nnodes < 2 or config.node_rank < 1:
-        raise ValueError("pagedserve worker runs the ranks of nodes 1 .. nnodes-1: give --nnodes >= 2 and "
-                         "--node-rank >= 1 (node 0 runs `pagedserve serve` or `generate`)")
-    config = config.resolve(resolve_device_name(config.device))
-    ranks = node_ranks(config)
+    resolved = config.resolve(resolve_device_name(config.device), for_worker=True)
+    ranks = node_ranks(resolved)
+    init_method = resolved.parallel.distributed_init_method
     if len(ranks) == 1:  # run it here (worker_main ends the process): a child of its own would only be waited for
-        worker_main(WorkerArgs(config, ranks[0], config.distributed_init_method))
-    procs = spawn_ranks(config, ranks, config.distributed_init_method)
+        worker_main(WorkerArgs(resolved, ranks[0], init_method))
+    procs = spawn_ranks(resolved, ranks, init_method)
     codes = []
     for p in procs:
         p.join()

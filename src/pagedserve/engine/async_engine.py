@@ -228,7 +228,7 @@ class AsyncEngine:
         # Constants read before the thread starts; afterwards only the thread touches the engine.
         self.vocab_size: int = engine.loaded.config.vocab_size
         stats = engine.engine_stats().scheduler
-        self.kv_capacity_tokens: int = stats.kv_total_blocks * engine.config.block_size
+        self.kv_capacity_tokens: int = stats.kv_total_blocks * engine.config.kv.block_size
         # What one sequence can actually reach: the context limit, or the whole KV pool
         # if that is smaller (the engine rejects a request that could never fit).
         self.max_context_len: int = min(engine.max_model_len, self.kv_capacity_tokens)

@@ -49,7 +49,7 @@ class KVEventFeed:
         kv.record_events(True)
         self.after_step(engine)
         self.active = True
-        self._post(KVSnapshot(engine.config.block_size, kv.cached_hashes()))
+        self._post(KVSnapshot(engine.config.kv.block_size, kv.cached_hashes()))
 
     def stop(self, engine: LLMEngine) -> None:
         engine.scheduler.kv_cache.record_events(False)

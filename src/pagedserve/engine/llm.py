@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from ..config import EngineConfig
+from ..engine_config import EngineConfig
 from ..outputs import OutputAccumulator, RequestOutput
 from ..pooling_params import PoolingParams, cosine_similarity, score_pairs
 from ..sampling_params import SamplingParams

@@ -15,41 +15,31 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from ..attention.selector import default_backend_name
-from ..config import EngineConfig, default_kv_cache_memory
-from ..core.config import CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
-from ..core.kv_plan import KV_CACHE_DTYPE_BYTES, KVCachePlan, plan_kv_cache
+from ..core.kv_plan import KVCachePlan
 from ..core.scheduler_output import SchedulerOutput, SchedulerStats
-from ..core.pd_connector import PagedServeConnectorScheduler
 from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler
-from ..core.step_budget import PromptSupply, StepBudget
 from ..distributed.executor import TensorParallelExecutor
+from ..engine_config import EngineConfig
 from ..kernels import kernel_report
 from ..kv_transfer.base import KVConnectorWorker
-from ..kv_transfer.factory import make_kv_connector_worker
-from ..model.config import ModelConfig
 from ..model.loader import LoadedModel, load_model
-from ..model.device_placement import place_model
-from ..model.lora import LoRASlots
 from ..outputs import Logprob, RequestDelta, RequestMetrics, SampleDelta, TokenLogprobs
 from ..pooling_params import PoolingParams
+from ..resolved_config import ResolvedConfig
 from ..sampling_params import SamplingParams
 from ..sampling_state import SamplingState
 from ..spec_decode.acceptance_stats import SpecDecodeStats
 from ..structured_output.grammar_backend import Matcher
 from ..structured_output.manager import StructuredOutputManager
-from ..worker.contiguous_kv_memory import build_contiguous_kv
-from ..worker.draft_model import draft_kv, load_draft
 from ..worker.model_runner import ModelRunner, RunnerOutput
 from ..worker.pooling import finish_embedding
 from ..worker.sampler import LogprobsTensors
 from .beam_outputs import beam_group, beam_samples, beam_sampling_state
+from .builder import build_parts
 from .detokenizer import IncrementalDetokenizer
-from .device_memory import device_memory_plan, kv_dtype_bytes
-from .placement import resolve_placement
 from .lora_registry import LoRAModule, LoRARegistry
-from .step_timing import step_time_model
+from .placement import resolve_placement
 
 logger = logging.getLogger(__name__)
 
@@ -133,103 +123,46 @@ class _Tracked:
         )
 
 
-def _plan_kv_cache(config: EngineConfig, target: ModelConfig, draft: LoadedModel | None,
-                   memory: int | None = None, width: int | None = None) -> KVCachePlan:
-    """The pool that --kv-cache-memory (or `memory`, a device plan's pool) holds beside the draft's
-    scratch, at `width` bytes per K/V element; ValueError if not one block."""
-    memory = memory or config.kv_cache_memory or default_kv_cache_memory()
-    spec = config.speculative_config
-    width = width or KV_CACHE_DTYPE_BYTES[config.kv_cache_dtype]
-    plan = plan_kv_cache(memory, config.block_size, target.kv_bytes_per_token(width),
-                         draft_kv(spec, draft.config, target, config.max_num_seqs, width) if draft is not None else None)
-    if plan.num_blocks < 1:
-        raise ValueError(f"kv_cache_memory ({memory} bytes) is below one KV block ({plan.bytes_per_block} bytes)"
-                         + (f" plus {plan.scratch_bytes} bytes of draft scratch" if plan.scratch_bytes else ""))
-    return plan
-
-
-def _kv_connector(config: EngineConfig) -> tuple[KVConnectorWorker | None, PagedServeConnectorScheduler | None]:
-    """The disaggregated-prefill connector's worker and scheduler sides, or neither."""
-    kv_transfer = config.kv_transfer_config
-    if kv_transfer is None:
-        return None, None
-    worker = make_kv_connector_worker(kv_transfer)
-    return worker, PagedServeConnectorScheduler(kv_transfer, config.block_size, worker.engine_id, worker.host,
-                                                worker.port)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
-        self.config = config = config or EngineConfig()
-        torch.set_num_threads(config.rank_num_threads())
-        torch.manual_seed(config.seed)
+        """`config`: the options as given, resolved here (`self.config` is the ResolvedConfig)."""
         start = time.perf_counter()
-        self.placement = placement = resolve_placement(config, loaded)
-        config = self.config = placement.config
+        self.placement = placement = resolve_placement(config or EngineConfig(), loaded)
+        self.config = config = placement.config
+        torch.set_num_threads(config.parallel.rank_num_threads())
+        torch.manual_seed(config.serving.seed)
         # Rank 0 of tensor parallelism is this process; the executor starts the other ranks.
-        self.tp = TensorParallelExecutor(config) if config.tensor_parallel_size > 1 else None
-        self.kernels = config.kernels
+        self.tp = TensorParallelExecutor(config) if config.parallel.tensor_parallel_size > 1 else None
+        self.kernels = config.device.kernels
+        self._parts: dict[str, object] = {}
         try:
-            # fp32 on the native kernels reads a GGUF's blocks and 16-bit float weights as stored (the same model).
-            self._build(config, loaded or (self.tp.loaded if self.tp is not None else load_model(
-                config.model, quantization=placement.load_quantization,
-                pack=None if placement.keeps_loaded_model else False,
-                keep_blocks=self.kernels == "native" and placement.keeps_loaded_model and config.gguf_weights == "blocks")),
-                start)
+            self._build(config, loaded or (self.tp.loaded if self.tp is not None else self._load(config)), start)
         except BaseException:
             self.shutdown()
             raise
 
-    def _build(self, config: EngineConfig, loaded: LoadedModel, start: float) -> None:
-        placement = self.placement
-        self.loaded = loaded
-        self.tokenizer = self.loaded.tokenizer
-        self.loaded.model.set_kernels(self.kernels)
-        mc = self.loaded.config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        if not placement.keeps_loaded_model:
-            place_model(self.loaded.model, placement.device, placement.torch_dtype, config.quantization,
-                        max_positions=self.max_model_len)
-        spec = config.speculative_config
-        draft = load_draft(self.loaded, spec, self.kernels)
-        pool = None
-        if placement.on_gpu:
-            memory_plan = device_memory_plan(config, mc, torch.cuda.mem_get_info(placement.device)[1],
-                                             config.dtype, config.effective_max_num_batched_tokens(self.max_model_len))
-            pool = memory_plan.kv_pool_bytes
-        # The model's own config is a rank's share under tensor parallelism.
-        plan = _plan_kv_cache(config, self.loaded.model.config, draft, pool,
-                              kv_dtype_bytes(config.kv_cache_dtype, config.dtype))
-        if self.tp is not None:
-            self.tp.start(plan.num_blocks, config.block_size, config.kv_cache_dtype, self.kernels)
-        lora_slots = (LoRASlots(mc, config.max_loras, config.max_lora_rank, native=self.kernels == "native")
-                      if config.enable_lora else None)
-        sched_config = config.scheduler_config(self.max_model_len)
-        cache_config = config.cache_config(plan.num_blocks)
-        # The contiguous layout: a demand-paged mapping (runner) and its page accounting (scheduler).
-        self.kv_store, kv_manager = build_contiguous_kv(
-            mc, cache_config, config.kv_cache_memory or default_kv_cache_memory(), self.max_model_len,
-            config.max_num_seqs, config.kv_cache_dtype) if config.kv_layout == "contiguous" else (None, None)
-        self.kv_connector, connector_scheduler = _kv_connector(config)
-        self.scheduler = Scheduler(sched_config, cache_config, self._step_budget(sched_config.max_num_batched_tokens),
-                                   connector_scheduler, kv_cache=kv_manager)
-        backend = default_backend_name(self.kernels, placement.device.type, config.kv_layout)
-        self.runner = ModelRunner(
-            self.loaded.model, plan, config.max_num_seqs, self.max_model_len,
-            eos_token_ids=tuple(self.tokenizer.stop_token_ids),
-            attention_backend=config.attention_backend or backend,
-            speculative=spec, draft=draft.model if draft is not None else None,
-            kv_cache_dtype=config.kv_cache_dtype, peers=self.tp, kv_connector=self.kv_connector,
-            device=placement.device, decode_graphs="cuda" if placement.on_gpu and not config.enforce_eager else None,
-            max_cudagraph_batch=config.max_cudagraph_batch, model_dtype=placement.torch_dtype,
-            kv_caches=self.kv_store.kv_caches if self.kv_store is not None else None,
-            lora_slots=lora_slots,
-        )
-        self.loras = LoRARegistry(lora_slots, mc) if lora_slots is not None else None
-        for name, path in config.lora_modules.items():
+    def _load(self, config: ResolvedConfig) -> LoadedModel:
+        """The model as load_model reads it: fp32 on the native kernels reads a GGUF's blocks and
+        16-bit float weights as stored (the same model)."""
+        keeps = self.placement.keeps_loaded_model
+        return load_model(config.load.model, quantization=config.load.load_quantization, pack=None if keeps else False,
+                          keep_blocks=self.kernels == "native" and keeps and config.load.gguf_weights == "blocks")
+
+    def _build(self, config: ResolvedConfig, loaded: LoadedModel, start: float) -> None:
+        parts = self._parts
+        parts.update(loaded=loaded, tp=self.tp, keeps_loaded_model=self.placement.keeps_loaded_model)
+        build_parts(config, parts)
+        self.loaded, self.tokenizer = loaded, loaded.tokenizer
+        self.max_model_len: int = parts["max_model_len"]
+        self.kv_store = parts["kv_store"]
+        self.kv_connector: KVConnectorWorker | None = parts["kv_connector"]
+        self.scheduler: Scheduler = parts["scheduler"]
+        self.runner: ModelRunner = parts["runner"]
+        self.loras: LoRARegistry | None = parts["loras"]
+        self.spec_stats: SpecDecodeStats | None = parts["spec_stats"]
+        self.structured_outputs: StructuredOutputManager = parts["structured_outputs"]
+        for name, path in config.lora.lora_modules:
             self.add_lora(name, path)
-        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec is not None else None
-        self.structured_outputs = StructuredOutputManager(self.tokenizer, mc.vocab_size)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         # The latest step's schedule, for observers on the engine's thread (the dashboard).
@@ -237,13 +170,17 @@ class LLMEngine:
         # A configured proposer can be paused at run time (the dashboard's playground
         # compares speeds); outputs are the same either way, only their pace changes.
         self.speculate = True
+        self._log_ready(parts["kv_plan"], time.perf_counter() - start)
+
+    def _log_ready(self, plan: KVCachePlan, seconds: float) -> None:
+        block_size = self.config.kv.block_size
+        budget = self.scheduler.config.max_num_batched_tokens
         logger.info(
             "model %s ready in %.1f s; KV cache %.2f GiB = %d blocks of %d tokens (%d tokens); "
             "max_model_len %d; token budget %s; %s kernels; %s KV",
-            self.loaded.name, time.perf_counter() - start, plan.num_blocks * plan.bytes_per_block / 2**30,
-            plan.num_blocks, config.block_size, plan.num_blocks * config.block_size, self.max_model_len,
-            (f"{self.scheduler.config.max_num_batched_tokens} per step" if self.scheduler.step_budget is None
-             else f"chosen per step, at most {self.scheduler.config.max_num_batched_tokens}"),
+            self.loaded.name, seconds, plan.num_blocks * plan.bytes_per_block / 2**30,
+            plan.num_blocks, block_size, plan.num_blocks * block_size, self.max_model_len,
+            f"{budget} per step" if self.scheduler.step_budget is None else f"chosen per step, at most {budget}",
             kernel_report(self.kernels) if self.tp is None else ", ".join(self.tp.rank_kernels),
             self.runner.kv_caches[0].dtype,
         )
@@ -254,22 +191,9 @@ class LLMEngine:
         them); the engine cannot step after."""
         if self.tp is not None:
             self.tp.shutdown()
-        if getattr(self, "kv_connector", None) is not None:  # absent when _build failed early
-            self.kv_connector.shutdown()
-
-    def _step_budget(self, cap: int) -> StepBudget | None:
-        """The latency target's per-step budget (None: the fixed max_num_batched_tokens)."""
-        target = self.config.latency_target()
-        if target is None:
-            return None
-        model, source = step_time_model(self.loaded.config)
-        if target.itl_ratio is not None:
-            logger.info("step budget: automatic, a step beside decodes within %.1fx their decode-only time "
-                        "(cap %d tokens); step times from %s", target.itl_ratio, cap, source)
-        else:
-            logger.info("latency target itl %s ms, ttft %s ms (cap %d tokens); step times from %s",
-                        self.config.itl_target_ms, self.config.ttft_target_ms, cap, source)
-        return StepBudget(model, target, cap, supply=PromptSupply(CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS))
+        connector = self._parts.get("kv_connector")  # absent when the build failed before it
+        if connector is not None:
+            connector.shutdown()
 
     # -- requests in -------------------------------------------------------------------
 
@@ -349,8 +273,8 @@ class LLMEngine:
 
     def check_task(self, task: str) -> None:
         """ValueError when the engine's `task` option does not serve `task` ("generate" or "embed")."""
-        if self.config.task not in ("auto", task):
-            raise ValueError(f"this engine serves task {self.config.task!r}: {task} requests are off "
+        if self.config.serving.task not in ("auto", task):
+            raise ValueError(f"this engine serves task {self.config.serving.task!r}: {task} requests are off "
                              f"(start it with task 'auto' or {task!r})")
 
     def add_pooling_request(self, prompt: str | list[int], pooling: PoolingParams | None = None,
@@ -363,7 +287,7 @@ class LLMEngine:
         self.check_task("embed")
         pooling = pooling or PoolingParams()
         pooling.validate_for_model(self.loaded.config.hidden_size)
-        kind = pooling.pooling_type or self.config.pooling_type
+        kind = pooling.pooling_type or self.config.serving.pooling_type
         lora_id = self._lora(lora_name).lora_id if lora_name is not None else 0
         prompt_text, prompt_ids, rid = self._prompt(prompt, request_id)
         # It never samples; a plain state keeps the runner's per-row reads (prompt logprobs, grammar) uniform.

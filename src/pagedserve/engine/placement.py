@@ -6,40 +6,40 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import EngineConfig
+from ..engine_config import EngineConfig
 from ..model.device import resolve_device_name, torch_dtype
 from ..model.loader import LoadedModel
+from ..resolved_config import ResolvedConfig
 
 
 @dataclass(frozen=True)
 class Placement:
-    """A resolved config (device, kernels, dtype, quantization and kv_cache_dtype concrete)
-    and what follows from it for loading and placing the model."""
+    """A resolved config and what follows from its device and load parts for loading and
+    placing the model."""
 
-    config: EngineConfig
+    config: ResolvedConfig
 
     @property
     def device(self) -> torch.device:
-        return torch.device(self.config.device)
+        return torch.device(self.config.device.name)
 
     @property
     def load_quantization(self) -> str:
-        """What load_model builds: fp8 is made from the unquantised weights when the model is placed."""
-        return "none" if self.config.quantization == "fp8" else self.config.quantization
+        return self.config.load.load_quantization
 
     @property
     def on_gpu(self) -> bool:
-        return self.config.device != "cpu"
+        return self.config.device.on_gpu
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return torch_dtype(self.config.dtype)
+        return torch_dtype(self.config.device.dtype)
 
     @property
     def keeps_loaded_model(self) -> bool:
         """The CPU fp32 path uses the model as loaded (oneDNN-packed); anything else is placed
-        (model/device_placement.py) from unpacked weights."""
-        return not self.on_gpu and self.config.quantization != "fp8"
+        (model/placement.py) from unpacked weights."""
+        return not self.on_gpu and self.config.load.quantization != "fp8"
 
 
 def resolve_placement(config: EngineConfig, loaded: LoadedModel | None = None) -> Placement:

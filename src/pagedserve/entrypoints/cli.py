@@ -7,7 +7,7 @@ import logging
 import secrets
 import sys
 
-from ..config import EngineConfig
+from ..engine_config import EngineConfig
 
 DEFAULT_PROMPT = "The three most important ideas behind fast LLM serving are"
 

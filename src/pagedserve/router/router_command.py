@@ -5,7 +5,7 @@ import argparse
 import os
 from typing import TYPE_CHECKING
 
-from ..config import parse_memory
+from ..engine_config import parse_memory
 from ..http.bounds import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_HEADER_BYTES, limited_http_protocol
 from ..http.middleware import API_KEY_ENV
 from ..http.tool_parsers import TOOL_PARSERS

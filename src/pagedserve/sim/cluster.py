@@ -30,6 +30,12 @@ from dataclasses import dataclass, field
 
 from ..core import Request, Scheduler
 from ..core.block_hash import extend_block_hashes
+from ..core.scheduler_config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    GPU_DEFAULT_MAX_NUM_SEQS,
+)
 from ..core.scheduler_output import SchedulerOutput
 from ..router.routing_policies import CacheAwareConfig, Candidate, Picker
 from ..workload.datasets import BenchRequest
@@ -95,15 +101,15 @@ class ClusterSetup:
     hardware: str
     dtype: str = "bf16"
     kv_cache_dtype: str | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int = GPU_DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None
     link: str = "rdma-100"
     seed: int = 0
     # Each instance's KV pool, as `sim`'s flags (and an engine's options) size it.
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory: int | None = None  # bytes per instance; None: the memory plan's share
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     enable_prefix_caching: bool = True
     # A replica router policy (router/routing_policies.py), as the Ray app's router section sets it;
     # None keeps the simulator's own least-loaded choice.

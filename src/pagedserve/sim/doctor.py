@@ -17,10 +17,16 @@ from typing import Any
 
 from ..workload.datasets import BenchRequest, mixed_dataset, random_dataset, shared_prefix_dataset
 from ..workload.serving_stats import CLASS_TTFT
-from ..core.config import SCHEDULING_POLICIES
+from ..core.scheduler_config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    GPU_DEFAULT_MAX_NUM_SEQS,
+    SCHEDULING_POLICIES,
+)
 from ..core.step_budget import LatencyTarget, choose_budget
 from .cost_model import CostModel
-from .scenario import DEFAULT_CHUNK_BUDGET, Scenario, build_scenario
+from .scenario import Scenario, build_scenario
 
 # A step this many times the full-batch decode step is a visible stall for every stream.
 STALL_FACTOR = 2.0
@@ -42,11 +48,11 @@ class ServeConfig:
     kv_cache_dtype: str | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = DEFAULT_CHUNK_BUDGET
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_num_seqs: int = GPU_DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     speculative_config: dict[str, Any] | None = None
@@ -204,7 +210,7 @@ def _budget(cfg: ServeConfig, sc: Scenario) -> list[Finding]:
             f"enable chunked prefill (keeps decodes moving) or raise --max-num-batched-tokens to {mml:,}",
             {"enable_chunked_prefill": True}, "mixed",
             [{"enable_chunked_prefill": True, "max_num_batched_tokens": b}
-             for b in _doublings(max(budget, cfg.max_num_seqs), min(mml, 8 * DEFAULT_CHUNK_BUDGET))[1:]]))
+             for b in _doublings(max(budget, cfg.max_num_seqs), min(mml, 8 * DEFAULT_MAX_NUM_BATCHED_TOKENS))[1:]]))
     if cfg.enable_chunked_prefill and not cfg.budget_by_target:
         cost = sc.cost
         context, decodes = typical_decodes(cfg, sc)

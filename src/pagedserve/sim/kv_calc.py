@@ -5,6 +5,7 @@ import math
 import random
 from dataclasses import asdict, dataclass
 
+from ..core.scheduler_config import DEFAULT_BLOCK_SIZE
 from ..core.validation import require_int
 
 GB, GIB = 10**9, 2**30
@@ -109,7 +110,7 @@ class WasteResult:
         ])
 
 
-def waste(num_requests: int, mean: float, std: float, max_len: int, block_size: int = 16,
+def waste(num_requests: int, mean: float, std: float, max_len: int, block_size: int = DEFAULT_BLOCK_SIZE,
           seed: int = 0, stream_bytes: int = 768, page_size: int = 4096) -> WasteResult:
     """Lengths ~ Normal(mean, std) rounded and clipped to [1, max_len]; each request's slots are
     reserved whole (contiguous), in blocks as its tokens arrive (paged), or in pages of each

@@ -2,11 +2,11 @@
 (core/memory_plan.py: pool = memory x utilisation - weights / tp - activation reserve,
 a draft model's scratch included), priced with the cost model's dtypes. On cpu-local the
 engine sizes the pool directly (`--kv-cache-memory`, default
-`pagedserve.config.default_kv_cache_memory()`), so the same is done here.
+`pagedserve.resolved_config.default_kv_cache_memory()`), so the same is done here.
 """
 from __future__ import annotations
 
-from ..config import default_kv_cache_memory
+from ..resolved_config import default_kv_cache_memory
 from ..core.kv_plan import DraftKV
 from ..core.memory_plan import DeviceMemoryPlan, plan_device_memory
 from .cost_model import DTYPE_BYTES, CostModel

@@ -5,7 +5,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..core.config import MIN_WHOLE_PROMPT_BUDGET, whole_prompt_budget
+from ..core.scheduler_config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    GPU_DEFAULT_MAX_NUM_SEQS,
+    MIN_WHOLE_PROMPT_BUDGET,
+    whole_prompt_budget,
+)
 from ..core.contiguous_kv import PAGE_SIZE, ContiguousLayout, check_kv_layout, plan_contiguous
 from ..model.config import ModelConfig
 from .cost_model import GGUF_DTYPE, CostModel
@@ -13,9 +20,6 @@ from .hardware import Hardware, get_hardware
 from .memory import MemoryPlan, plan_memory
 from .models import load_model, stored_weights
 from .simulator import SimConfig
-
-# The seed's chunk size ("default ~512 tokens").
-DEFAULT_CHUNK_BUDGET = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +68,9 @@ class Scenario:
 
 
 def build_scenario(model: str, hardware: str, dtype: str = "bf16", kv_cache_dtype: str | None = None,
-                   tp: int = 1, block_size: int = 16, max_num_seqs: int = 256,
+                   tp: int = 1, block_size: int = DEFAULT_BLOCK_SIZE, max_num_seqs: int = GPU_DEFAULT_MAX_NUM_SEQS,
                    max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
-                   gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None,
+                   gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, kv_cache_memory: int | None = None,
                    enable_prefix_caching: bool = True, clamp_max_model_len: bool = True) -> Scenario:
     """max_model_len defaults to the model's, clamped to what the pool holds (vLLM refuses to
     start otherwise; `doctor` passes clamp_max_model_len=False to report that instead).
@@ -75,7 +79,7 @@ def build_scenario(model: str, hardware: str, dtype: str = "bf16", kv_cache_dtyp
     # "gguf": the file's own bytes per weight, multiplied at the 16-bit rate (dequantised as read).
     stored = stored_weights(model) if dtype == GGUF_DTYPE else None
     cost = CostModel(m, get_hardware(hardware), "bf16" if stored else dtype, kv_cache_dtype, tp, stored)
-    budget = max_num_batched_tokens or max(DEFAULT_CHUNK_BUDGET, max_num_seqs)
+    budget = max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
     plan = plan_memory(cost, block_size, budget, max_num_seqs, gpu_memory_utilization, kv_cache_memory)
     mml = max_model_len or m.max_position_embeddings
     if clamp_max_model_len:

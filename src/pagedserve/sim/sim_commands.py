@@ -6,8 +6,16 @@ import dataclasses
 import json
 import math
 
-from ..config import parse_memory
-from ..core.config import POLICIES, SCHEDULING_POLICIES
+from ..engine_config import parse_memory
+from ..core.scheduler_config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    GPU_DEFAULT_MAX_NUM_SEQS,
+    MIN_WHOLE_PROMPT_BUDGET,
+    POLICIES,
+    SCHEDULING_POLICIES,
+)
 from ..core.contiguous_kv import KV_LAYOUTS, PAGE_SIZE
 from ..workload.datasets import add_dataset_args, dataset_from_args
 from ..workload.serving_stats import CLASS_TTFT, summary_columns
@@ -30,12 +38,13 @@ def _add_setup_args(p: argparse.ArgumentParser) -> None:
                         "multiplied at the bf16 rate (default: gguf for a .gguf model, else bf16)")
     p.add_argument("--kv-cache-dtype", choices=DTYPES, default=None, help="default: as --dtype (bf16 for gguf)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    p.add_argument("--max-num-seqs", type=int, default=GPU_DEFAULT_MAX_NUM_SEQS)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="chunked policy's token budget (default 512); whole-prompt policies use max(max_model_len, 2048)")
+                   help=f"chunked policy's token budget (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}); whole-prompt "
+                        f"policies use max(max_model_len, {MIN_WHOLE_PROMPT_BUDGET})")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's, capped at the KV pool")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION)
     p.add_argument("--kv-cache-memory", type=parse_memory, default=None, help="KV pool bytes, overriding the memory plan")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
 
@@ -138,8 +147,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
 # `sim cluster`'s flags for the instances' engines and layouts, and their defaults. They
 # parse as None, so that `--ray-config` (whose YAML sets them) can tell one was given.
 CLUSTER_ENGINE_DEFAULTS = {"model": "llama-3.1-8b", "dtype": "bf16", "kv_cache_dtype": None,
-                           "layouts": "4r,2r:tp2,2p2d,1p3d,3p1d", "max_num_seqs": 256,
-                           "max_num_batched_tokens": 512, "max_model_len": None}
+                           "layouts": "4r,2r:tp2,2p2d,1p3d,3p1d", "max_num_seqs": GPU_DEFAULT_MAX_NUM_SEQS,
+                           "max_num_batched_tokens": DEFAULT_MAX_NUM_BATCHED_TOKENS, "max_model_len": None}
 
 
 def add_cluster_parser(sim_sub) -> argparse.ArgumentParser:
@@ -270,7 +279,7 @@ def add_kv_parser(sub) -> None:
     w.add_argument("--mean", type=float, default=1500)
     w.add_argument("--std", type=float, default=600)
     w.add_argument("--max-len", type=int, default=8192)
-    w.add_argument("--block-size", type=int, default=16)
+    w.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--stream-bytes", type=int, default=768,
                    help="one token of one layer's K: kv_heads x head_dim x dtype bytes (768: SmolLM2, fp32)")

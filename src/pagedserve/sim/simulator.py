@@ -17,9 +17,15 @@ from dataclasses import dataclass, field
 
 from ..core import CacheConfig, Request, Scheduler, SchedulerConfig
 from ..core.contiguous_kv import ContiguousKVCacheManager, ContiguousLayout
-from ..core.config import CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
+from ..core.scheduler_config import (
+    CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    GPU_DEFAULT_MAX_NUM_SEQS,
+)
 from ..core.step_budget import LatencyTarget, PromptSupply, StepBudget
 from ..core.validation import is_int
+from ..engine_config import check_latency_target_policy
 from ..workload.datasets import BenchRequest
 from ..workload.serving_stats import CLASS_TTFT, SLO, RequestRecord, summarize
 from .cost_model import CostModel
@@ -31,9 +37,9 @@ SAMPLED_TOKEN = 1  # every simulated sample; requests ignore EOS so only lengths
 class SimConfig:
     policy: str = "chunked"
     num_blocks: int = 4096
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 512
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_num_seqs: int = GPU_DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
@@ -58,6 +64,8 @@ class SimConfig:
             raise ValueError(f"concurrency must be an integer >= 1 or None, got {self.concurrency!r}")
         if not self.request_rate > 0:
             raise ValueError(f"request_rate must be > 0 (inf = all at once), got {self.request_rate!r}")
+        if self.has_latency_target:
+            check_latency_target_policy(self.policy, enable_chunked_prefill=True)
 
     @property
     def has_latency_target(self) -> bool:

@@ -266,8 +266,8 @@ def calibrate() -> tuple[Calibration, object, list[tuple[int, float]]]:
     import torch
 
     from ..attention.cpu_backend import PREFILL_MIN_QUERY_LEN
-    from ..config import default_num_threads
-    from ..core.config import MIN_WHOLE_PROMPT_BUDGET
+    from ..resolved_config import default_num_threads
+    from ..core.scheduler_config import MIN_WHOLE_PROMPT_BUDGET
     from ..engine.step_timing import calibration_entry
 
     threads = default_num_threads()
@@ -312,7 +312,7 @@ def twin(num_prompts: int = 24, policies: list[str] | None = None, seed: int = 0
         wall = time.perf_counter() - t0
         produced = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         sched = engine.scheduler
-        target = engine.config.latency_target()
+        target = engine.config.scheduling.latency_target
         config = SimConfig(policy=policy, num_blocks=sched.kv_cache.num_blocks, block_size=sched.block_size,
                            max_num_seqs=sched.config.max_num_seqs,
                            max_num_batched_tokens=sched.config.max_num_batched_tokens,

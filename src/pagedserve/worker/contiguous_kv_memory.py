@@ -24,7 +24,7 @@ import weakref
 import numpy as np
 import torch
 
-from ..core.config import CacheConfig
+from ..core.scheduler_config import CacheConfig
 from ..core.contiguous_kv import ContiguousKVCacheManager, ContiguousLayout, plan_contiguous
 from ..core.kv_tensor_layout import KVTensorLayout
 from ..model.config import ModelConfig

@@ -25,7 +25,7 @@ from ..core.request import Request
 from ..model.config import ModelConfig
 from ..model.llama import LlamaModel
 from ..model.loader import LoadedModel, load_model
-from ..spec_decode.config import SpeculativeConfig
+from ..spec_decode.spec_config import SpeculativeConfig
 from .block_table import BlockTableRows
 from .kv_tensors import copy_blocks
 

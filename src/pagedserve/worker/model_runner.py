@@ -30,7 +30,7 @@ from ..core.request import Request
 from ..kv_transfer.base import KVConnectorWorker
 from ..model.llama import LlamaModel
 from ..model.lora import LoRABatch, LoRASlots
-from ..spec_decode.config import SpeculativeConfig
+from ..spec_decode.spec_config import SpeculativeConfig
 from ..spec_decode.ngram import NgramProposer
 from .beam_candidates import beam_candidates, split_beam_rows
 from .block_table import BlockTableRows

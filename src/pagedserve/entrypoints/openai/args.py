@@ -9,7 +9,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from ...config import EngineConfig, parse_memory
+from ...engine_config import EngineConfig, parse_memory
 from ...http.bounds import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_HEADER_BYTES
 from ...http.middleware import API_KEY_ENV
 from ...http.reasoning_parsers import REASONING_PARSERS, ReasoningFormat, detect_reasoning_parser

@@ -114,7 +114,7 @@ def kv_event_routes(app: FastAPI, parts: ServerParts) -> list[type[BaseModel]]:
 
 def lora_routes(app: FastAPI, parts: ServerParts) -> list[type[BaseModel]]:
     """Only on a server started with --enable-lora."""
-    if not parts.context.engine.engine.config.enable_lora:
+    if not parts.context.engine.engine.config.lora.enable_lora:
         return []
     return install_lora_routes(app, parts.context.engine, parts.context.models)
 

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from ...config import EngineConfig
+from ...core.scheduler_config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from ...engine_config import EngineConfig
 from ...model.config import ModelConfig
 from ...router.routing_policies import POLICIES, CacheAwareConfig
 from ...workload.datasets import BenchRequest
@@ -192,31 +193,34 @@ def replica_memory_bytes(config: RayServeConfig, model: ModelConfig) -> int:
     return model.num_params * 4 + config.server.engine.kv_cache_memory + REPLICA_RUNTIME_BYTES
 
 
-# The engine's element types priced by the simulator's (sim/cost_model.py DTYPES) of the
-# same width; "auto" is the engine's own default: float32 on the CPU, bfloat16 on a GPU.
+# The engine's resolved element types priced by the simulator's (sim/cost_model.py DTYPES)
+# of the same width; a KV cache of the model's dtype ("auto") is the simulator's default too.
 _SIM_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16"}
 _SIM_KV_DTYPE = {"fp32": "fp32", "fp16": "bf16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
 
 
 def cluster_setup(config: RayServeConfig, model: str, hardware: str, seed: int = 0) -> "ClusterSetup":
     """The cluster simulator's instance setup for this app's replicas on `hardware`: its
-    router policy, and each replica's engine options (engine section) as the scheduler's
-    limits and the KV pool (block_size, kv_cache_memory or gpu_memory_utilization, prefix
-    caching, dtypes). An automatic token budget (max_num_batched_tokens unset) is priced
-    as the chunked policy's 512."""
+    router policy, and each replica's engine options (engine section) resolved for the
+    hardware's device (EngineConfig.resolve: cpu for cpu-local, else cuda) as the
+    scheduler's limits and the KV pool (block_size, kv_cache_memory or
+    gpu_memory_utilization, prefix caching, dtypes). A budget resolve leaves to a latency
+    target, which the cluster simulator does not model, is priced as the chunked policy's
+    fixed default."""
     from ...sim.cluster import ClusterSetup
     from ...sim.hardware import CPU_LOCAL
 
     if config.disaggregated is not None:
         raise ValueError("predict models colocated replicas; drop the disaggregated section")
-    engine = config.server.engine
-    dtype = _SIM_DTYPE.get(engine.dtype, "fp32" if hardware == CPU_LOCAL else "bf16")
-    return ClusterSetup(model, hardware, dtype, _SIM_KV_DTYPE.get(engine.kv_cache_dtype),
-                        max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens or 512,
-                        max_model_len=engine.max_model_len, seed=seed, block_size=engine.block_size,
-                        kv_cache_memory=engine.kv_cache_memory,
-                        gpu_memory_utilization=engine.gpu_memory_utilization,
-                        enable_prefix_caching=engine.enable_prefix_caching is not False and engine.kv_layout == "paged",
+    resolved = config.server.engine.resolve("cpu" if hardware == CPU_LOCAL else "cuda")
+    kv, scheduling = resolved.kv, resolved.scheduling
+    return ClusterSetup(model, hardware, _SIM_DTYPE[resolved.device.dtype], _SIM_KV_DTYPE.get(kv.kv_cache_dtype),
+                        max_num_seqs=scheduling.max_num_seqs,
+                        max_num_batched_tokens=scheduling.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                        max_model_len=resolved.load.max_model_len, seed=seed, block_size=kv.block_size,
+                        kv_cache_memory=kv.kv_cache_memory,
+                        gpu_memory_utilization=resolved.device.gpu_memory_utilization,
+                        enable_prefix_caching=kv.enable_prefix_caching,
                         policy=config.router.policy, cache=config.router.cache())
 
 

@@ -5,20 +5,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .core.config import (
+from .attention.backend_names import TRITON_BACKEND
+from .core.scheduler_config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_SEQS,
     GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS,
     MIN_WHOLE_PROMPT_BUDGET,
     POLICIES,
     SCHEDULING_POLICIES,
-    CacheConfig,
-    SchedulerConfig,
+    check_seats_fit_budget,
     chunks_prefill,
-    whole_prompt_budget,
 )
 from .core.contiguous_kv import CONTIGUOUS_BACKENDS, KV_LAYOUTS
 from .core.kv_connector import KVTransferConfig
@@ -29,7 +30,18 @@ from .core.validation import require_int
 from .kernels import KERNEL_CHOICES, resolve_kernels
 from .model.config import GGUF_WEIGHTS, QUANTIZATION_CHOICES
 from .model.device import CUDA_QUANTIZATION, DEVICE_CHOICES, DTYPE_CHOICES, resolve_dtype_name
-from .spec_decode.config import SpeculativeConfig
+from .resolved_config import (
+    DeviceConfig,
+    KVConfig,
+    LoadConfig,
+    LoRAConfig,
+    ParallelConfig,
+    ResolvedConfig,
+    SchedulingConfig,
+    ServingConfig,
+    default_kv_cache_memory,
+)
+from .spec_decode.spec_config import SpeculativeConfig
 
 
 def parse_memory(value: str | int | float) -> int:
@@ -66,10 +78,10 @@ class EngineConfig:
     depend on one another or on the device; the engine runs only a resolved config."""
 
     model: str | None = option(None, "a .gguf file or HF folder; default: the embedded SmolLM2-135M-Instruct", str)
-    block_size: int = option(16, "tokens per KV-cache block", int)
+    block_size: int = option(DEFAULT_BLOCK_SIZE, "tokens per KV-cache block", int)
     kv_cache_memory: int | None = option(
         None, "bytes for the KV cache (e.g. 2GiB); default: a share of free RAM", parse_memory)
-    max_num_seqs: int = option(128, "most requests running at once", int)
+    max_num_seqs: int = option(DEFAULT_MAX_NUM_SEQS, "most requests running at once", int)
     max_num_batched_tokens: int | None = option(
         None, "a fixed token budget per step; default: chosen each step (a step beside decodes within "
               f"{AUTO_ITL_RATIO:g}x their decode-only time, at most {MIN_WHOLE_PROMPT_BUDGET} tokens) on cpu; "
@@ -89,7 +101,7 @@ class EngineConfig:
         str, KERNEL_CHOICES)
     itl_target_ms: float | None = option(
         None, "choose each step's token budget to keep inter-token latency under this (chunked policy); "
-              "--max-num-batched-tokens is then the cap (default 2048)", float)
+              f"--max-num-batched-tokens is then the cap (default {MIN_WHOLE_PROMPT_BUDGET})", float)
     ttft_target_ms: float | None = option(
         None, "with a latency target: how long a step may take when no decode is running (default: up to the cap)",
         float)
@@ -121,7 +133,8 @@ class EngineConfig:
     max_cudagraph_batch: int | None = option(
         None, "cuda: the largest decode batch captured in a CUDA graph (default min(max_num_seqs, 256))", int)
     gpu_memory_utilization: float = option(
-        0.9, "cuda: share of the device's memory for weights, activations and the KV pool (without --kv-cache-memory)",
+        DEFAULT_GPU_MEMORY_UTILIZATION,
+        "cuda: share of the device's memory for weights, activations and the KV pool (without --kv-cache-memory)",
         float)
     num_threads: int | None = option(
         None, "torch threads (per tensor-parallel rank); default: all cores, shared among a node's ranks", int)
@@ -192,27 +205,25 @@ class EngineConfig:
         if method is not None and not (method.startswith("tcp://") or method == "env://"):
             raise ValueError(f"distributed_init_method must be tcp://host:port or env://, got {method!r}")
 
-    def resolve(self, device: str, loaded_as: str | None = None) -> EngineConfig:
-        """This config checked against every rule about which options go together, then with
-        the defaults that follow from other options filled in: kernels, dtype, quantization,
-        kv_cache_dtype and gguf_weights concrete, enable_prefix_caching set, and cuda's fixed
-        token budget. The one place those rules live (docs/architecture.md); nothing the
-        engine builds rewrites them.
+    def resolve(self, device: str, loaded_as: str | None = None, for_worker: bool = False) -> ResolvedConfig:
+        """This config checked against every rule about which options go together, then
+        split into the frozen parts the engine's modules take, with every default that
+        follows from other options filled in: kernels, dtype, quantization, kv_cache_dtype
+        and gguf_weights concrete, enable_prefix_caching set, and the step token budget
+        decided (`_scheduling`). The one place those rules live (docs/configuration.md);
+        nothing the engine builds re-decides or re-checks them.
 
         `device`: "cpu" or "cuda", what `self.device` resolved to (model/device.resolve_device_name).
         `loaded_as`: the quantization of a model the caller loaded; None when the engine loads it.
+        `for_worker`: for `pagedserve worker`, which runs the ranks of a node other than 0.
         Raises ValueError naming the options that conflict, before anything is loaded."""
         if self.device not in ("auto", device) or device not in ("cpu", "cuda"):
             raise ValueError(f"device={self.device!r} cannot run as {device!r}")
-        max_num_batched_tokens = self.max_num_batched_tokens
-        # On cuda a step's weight reads are cheap beside its tokens: vLLM's fixed budget, no automatic target.
-        if (device == "cuda" and max_num_batched_tokens is None and not self.has_latency_target
-                and chunks_prefill(self.policy, self.enable_chunked_prefill)):
-            max_num_batched_tokens = GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
         self._check_parallel(device, loaded_as)
+        self._check_node_role(for_worker)
         self._check_kv_layout(device)
         self._check_device(device)
-        self._check_scheduling(max_num_batched_tokens)
+        scheduling = self._scheduling(device)
         self._check_lora(device)
         self._check_task()
         kernels = "torch" if device == "cuda" else resolve_kernels(self.kernels)
@@ -224,11 +235,46 @@ class EngineConfig:
         # An explicit --dtype float32 holds every weight as an fp32 matrix: the exact oneDNN path.
         gguf_weights = self.gguf_weights if self.gguf_weights != "auto" else \
             "dense" if self.dtype == "float32" else "blocks"
-        return replace(self, device=device, kernels=kernels, dtype=resolve_dtype_name(self.dtype, device),
-                       quantization=quantization, kv_cache_dtype=kv_cache_dtype, gguf_weights=gguf_weights,
-                       enable_prefix_caching=self.kv_layout == "paged" if self.enable_prefix_caching is None
-                       else self.enable_prefix_caching,
-                       max_num_batched_tokens=max_num_batched_tokens)
+        # On a GPU an unset pool is the device memory plan's (engine/device_memory.py).
+        kv_cache_memory = self.kv_cache_memory or (default_kv_cache_memory() if device == "cpu" else None)
+        prefix_caching = self.kv_layout == "paged" if self.enable_prefix_caching is None else self.enable_prefix_caching
+        return ResolvedConfig(
+            load=LoadConfig(self.model, quantization, gguf_weights, self.max_model_len),
+            device=DeviceConfig(device, kernels, resolve_dtype_name(self.dtype, device), self.attention_backend,
+                                self.enforce_eager, self.max_cudagraph_batch, self.gpu_memory_utilization),
+            kv=KVConfig(self.block_size, kv_cache_memory, kv_cache_dtype, self.kv_layout, prefix_caching),
+            scheduling=scheduling,
+            parallel=ParallelConfig(self.tensor_parallel_size, self.nnodes, self.node_rank,
+                                    self.distributed_init_method, self.distributed_executor_backend,
+                                    self.num_threads),
+            lora=LoRAConfig(self.enable_lora, tuple(self.lora_modules.items()), self.max_loras, self.max_lora_rank),
+            serving=ServingConfig(self.task, self.pooling_type, self.seed, self.speculative_config,
+                                  self.kv_transfer_config),
+        )
+
+    @classmethod
+    def from_resolved(cls, resolved: ResolvedConfig) -> EngineConfig:
+        """The options a resolved config holds, every default filled: resolving them again gives it back."""
+        load, device, kv, scheduling = resolved.load, resolved.device, resolved.kv, resolved.scheduling
+        parallel, lora, serving = resolved.parallel, resolved.lora, resolved.serving
+        return cls(
+            model=load.model, quantization=load.quantization, gguf_weights=load.gguf_weights,
+            max_model_len=load.max_model_len, device=device.name, kernels=device.kernels, dtype=device.dtype,
+            attention_backend=device.attention_backend, enforce_eager=device.enforce_eager,
+            max_cudagraph_batch=device.max_cudagraph_batch, gpu_memory_utilization=device.gpu_memory_utilization,
+            block_size=kv.block_size, kv_cache_memory=kv.kv_cache_memory, kv_cache_dtype=kv.kv_cache_dtype,
+            kv_layout=kv.kv_layout, enable_prefix_caching=kv.enable_prefix_caching,
+            max_num_seqs=scheduling.max_num_seqs, max_num_batched_tokens=scheduling.max_num_batched_tokens,
+            itl_target_ms=scheduling.itl_target_ms, ttft_target_ms=scheduling.ttft_target_ms,
+            enable_chunked_prefill=scheduling.enable_chunked_prefill,
+            long_prefill_token_threshold=scheduling.long_prefill_token_threshold,
+            scheduling_policy=scheduling.scheduling_policy, policy=scheduling.policy,
+            tensor_parallel_size=parallel.tensor_parallel_size, nnodes=parallel.nnodes, node_rank=parallel.node_rank,
+            distributed_init_method=parallel.distributed_init_method,
+            distributed_executor_backend=parallel.distributed_executor_backend, num_threads=parallel.num_threads,
+            enable_lora=lora.enable_lora, lora_modules=dict(lora.lora_modules), max_loras=lora.max_loras,
+            max_lora_rank=lora.max_lora_rank, task=serving.task, pooling_type=serving.pooling_type, seed=serving.seed,
+            speculative_config=serving.speculative_config, kv_transfer_config=serving.kv_transfer_config)
 
     def _check_task(self) -> None:
         if self.task != "embed":
@@ -264,6 +310,14 @@ class EngineConfig:
             raise ValueError("kv_transfer_config is not supported with tensor_parallel_size > 1")
         if self.enable_lora:
             raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 (the adapters are not sharded)")
+
+    def _check_node_role(self, for_worker: bool) -> None:
+        if for_worker and (self.nnodes < 2 or self.node_rank < 1):
+            raise ValueError("pagedserve worker runs the ranks of nodes 1 .. nnodes-1: give --nnodes >= 2 and "
+                             "--node-rank >= 1 (node 0 runs `pagedserve serve` or `generate`)")
+        if not for_worker and self.node_rank != 0:
+            raise ValueError("the engine runs on node 0 (node_rank 0); start the ranks of other nodes with "
+                             "`pagedserve worker --node-rank R ...`")
 
     def _check_ray_executor(self) -> None:
         if self.distributed_executor_backend != "ray":
@@ -308,8 +362,6 @@ class EngineConfig:
             if self.dtype not in ("auto", "float32"):
                 raise ValueError(f"dtype={self.dtype!r} runs on cuda only; on device='cpu' the model computes in float32")
             return
-        from .attention.selector import TRITON_BACKEND  # here: the backends import torch, which a config need not
-
         if self.quantization not in CUDA_QUANTIZATION:
             raise ValueError(f"quantization={self.quantization!r} runs on pagedserve's CPU kernels only; "
                              f"on device='cuda' use one of {', '.join(CUDA_QUANTIZATION)}")
@@ -325,21 +377,32 @@ class EngineConfig:
             raise ValueError("speculative_config with a draft model runs on cpu only; on device='cuda' use "
                              "method 'ngram'")
 
-    def _check_scheduling(self, max_num_batched_tokens: int | None) -> None:
+    def _scheduling(self, device: str) -> SchedulingConfig:
+        """The scheduling rules, then the step token budget, decided here once: a fixed
+        budget (given, or cuda's), else a latency target (given, or the automatic one for
+        chunked prefill) under a cap, else (policies that never chunk) a whole prompt."""
         chunked = chunks_prefill(self.policy, self.enable_chunked_prefill)
-        if self.has_latency_target and not chunked:
-            raise ValueError("itl_target_ms and ttft_target_ms need chunked prefill (policy 'chunked' with "
-                             f"enable_chunked_prefill); policy is {self.policy!r}, enable_chunked_prefill "
-                             f"{self.enable_chunked_prefill}")
+        if self.has_latency_target:
+            check_latency_target_policy(self.policy, self.enable_chunked_prefill)
         if self.kv_transfer_config is not None and self.policy not in ("chunked", "continuous"):
             raise ValueError(f"kv_transfer_config needs policy 'chunked' or 'continuous', got {self.policy!r}")
-        # Without a fixed budget or a target's cap, the budget holds a whole prompt and every seat.
-        cap = max_num_batched_tokens or (MIN_WHOLE_PROMPT_BUDGET if self.has_latency_target or chunked else None)
-        # Running decodes are scheduled before anything else, one token each; if they could
-        # outnumber the budget, the ones at the back would starve.
-        if cap is not None and self.max_num_seqs > cap:
-            raise ValueError(f"max_num_seqs ({self.max_num_seqs}) must be <= max_num_batched_tokens ({cap}) "
-                             "so every running decode fits one step")
+        fixed = self.max_num_batched_tokens
+        # On cuda a step's weight reads are cheap beside its tokens: vLLM's fixed budget, no automatic target.
+        if device == "cuda" and fixed is None and not self.has_latency_target and chunked:
+            fixed = GPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
+        target = None
+        if self.has_latency_target:
+            target = LatencyTarget(_ms_to_s(self.itl_target_ms), _ms_to_s(self.ttft_target_ms))
+        elif fixed is None and chunked:
+            # A step beside decodes within AUTO_ITL_RATIO of their decode-only time.
+            target = LatencyTarget(itl_ratio=AUTO_ITL_RATIO)
+        # The target sizes steps; its cap only has to let a wave of prompts into one (vLLM's 2,048).
+        cap = fixed or (MIN_WHOLE_PROMPT_BUDGET if target is not None else None)
+        if cap is not None:
+            check_seats_fit_budget(self.max_num_seqs, cap)
+        return SchedulingConfig(self.max_num_seqs, fixed, cap, target, self.itl_target_ms, self.ttft_target_ms,
+                                self.enable_chunked_prefill, self.long_prefill_token_threshold,
+                                self.scheduling_policy, self.policy)
 
     def _check_lora(self, device: str) -> None:
         if self.lora_modules and not self.enable_lora:
@@ -366,54 +429,9 @@ class EngineConfig:
         return "gguf" if resolve_model(self.model).kind == "gguf" else "none"
 
     @property
-    def ranks_per_node(self) -> int:
-        return self.tensor_parallel_size // self.nnodes
-
-    def rank_num_threads(self) -> int:
-        """Torch threads for one rank: the flag, else this host's cores shared by its ranks."""
-        return self.num_threads or max(1, default_num_threads() // self.ranks_per_node)
-
-    def effective_max_num_batched_tokens(self, max_model_len: int) -> int:
-        """The flag if given; else, when a target (given or automatic) sizes each step, the
-        cap it works under; else (policies continuous, static, naive) a budget that holds
-        a whole prompt, as vLLM."""
-        if self.max_num_batched_tokens:
-            return self.max_num_batched_tokens
-        if self.latency_target() is not None:
-            # The target sizes steps; the cap only has to let a wave of prompts into one (vLLM's 2,048).
-            return MIN_WHOLE_PROMPT_BUDGET
-        return whole_prompt_budget(max_model_len, self.max_num_seqs)
-
-    @property
     def has_latency_target(self) -> bool:
         """Whether the user gave an ITL or TTFT target."""
         return self.itl_target_ms is not None or self.ttft_target_ms is not None
-
-    def latency_target(self) -> LatencyTarget | None:
-        """What sizes each step: the ITL/TTFT targets in seconds when given; else, for
-        chunked prefill with no --max-num-batched-tokens, the automatic target (a step
-        beside decodes within AUTO_ITL_RATIO of their decode-only time); None for the
-        fixed budget the user asked for (or a policy that does not chunk)."""
-        if self.has_latency_target:
-            return LatencyTarget(_ms_to_s(self.itl_target_ms), _ms_to_s(self.ttft_target_ms))
-        if self.max_num_batched_tokens is None and chunks_prefill(self.policy, self.enable_chunked_prefill):
-            return LatencyTarget(itl_ratio=AUTO_ITL_RATIO)
-        return None
-
-    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_num_batched_tokens=self.effective_max_num_batched_tokens(max_model_len),
-            max_num_seqs=self.max_num_seqs,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            scheduling_policy=self.scheduling_policy,
-            policy=self.policy,
-        )
-
-    def cache_config(self, num_blocks: int) -> CacheConfig:
-        return CacheConfig(num_blocks=num_blocks, block_size=self.block_size,
-                           enable_prefix_caching=self.enable_prefix_caching)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -433,6 +451,15 @@ class EngineConfig:
 
     def describe(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def check_latency_target_policy(policy: str, enable_chunked_prefill: bool) -> None:
+    """A latency target sizes each step's chunks of prompts: only chunked prefill has chunks.
+    `resolve`'s rule, which the simulator's configs apply to their targets too."""
+    if not chunks_prefill(policy, enable_chunked_prefill):
+        raise ValueError("itl_target_ms and ttft_target_ms need chunked prefill (policy 'chunked' with "
+                         f"enable_chunked_prefill); policy is {policy!r}, enable_chunked_prefill "
+                         f"{enable_chunked_prefill}")
 
 
 def parse_lora_modules(modules: dict[str, str] | list[str] | None) -> dict[str, str]:
@@ -457,22 +484,3 @@ def parse_lora_modules(modules: dict[str, str] | list[str] | None) -> dict[str, 
 
 def _ms_to_s(ms: float | None) -> float | None:
     return None if ms is None else ms / 1000
-
-
-def default_kv_cache_memory() -> int:
-    """A quarter of the memory available now, capped at 2 GiB. For the 135M default
-    model (46 KB of fp32 K/V per token) 2 GiB holds ~45k tokens, enough for 64
-    concurrent 700-token sequences; the whole pool is committed at start-up (on a
-    thread beside it), so a larger default would only take memory and CPU from a start.
-    Pass kv_cache_memory for more."""
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-        available = info.get("MemAvailable", 8 << 30)
-    except OSError:
-        available = 8 << 30
-    return int(min(available // 4, 2 << 30))
-
-
-def default_num_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
