@@ -8,7 +8,7 @@ import pytest
 from pagedserve.entrypoints.cli import build_parser
 from pagedserve.entrypoints.openai.args import ServerConfig, server_config_from_args, server_reasoning_parser
 from pagedserve.http.errors import APIError
-from pagedserve.http.reasoning import EFFORT_BUDGETS, plan_reasoning
+from pagedserve.http.reasoning_plan import EFFORT_BUDGETS, plan_reasoning
 from pagedserve.http.reasoning_parsers import REASONING_PARSERS, detect_reasoning_parser, split
 from pagedserve.http.reply import ReplyParser, parse_reply
 from pagedserve.http.tool_parsers import TOOL_PARSERS

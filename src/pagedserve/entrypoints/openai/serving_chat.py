@@ -1,5 +1,5 @@
 """POST /v1/chat/completions: the model's own chat template, streamed or not; tool calls
-(http/tools.py) and reasoning (http/reasoning.py, docs/reasoning.md)."""
+(http/tools.py) and reasoning (http/reasoning_plan.py, docs/reasoning.md)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +14,7 @@ from ...engine.async_engine import EngineDeadError, GenerationRequest, RequestSt
 from ...http.disconnect import sse, until_disconnected
 from ...http.errors import APIError
 from ...http.openai_bodies import ChatCompletionRequest
-from ...http.reasoning import ReasoningPlan, plan_reasoning
+from ...http.reasoning_plan import ReasoningPlan, plan_reasoning
 from ...http.reasoning_parsers import PromptReasoning, ReasoningFormat
 from ...http.reply import ReplyParser, parse_reply
 from ...http.tool_parsers import ToolParser

@@ -16,7 +16,7 @@ from ...engine.async_engine import EngineDeadError, GenerationRequest, RequestSt
 from ...http.disconnect import sse, until_disconnected
 from ...http.errors import APIError
 from ...http.openai_bodies import CompletionRequest, Prompt, check_token_ids, completion_prompts
-from ...http.reasoning import plan_reasoning
+from ...http.reasoning_plan import plan_reasoning
 from ...http.reasoning_parsers import ReasoningFormat
 from ...outputs import SampleDelta, TokenLogprobs
 from .protocol import check_prompt_chars, completion_sampling_params, structured_output_param
