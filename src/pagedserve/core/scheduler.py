@@ -465,9 +465,9 @@ class Scheduler:
 
     def _preempt(self, victim: Request, step: _Step) -> None:
         step.drop(victim.request_id)
+        self.num_preemptions += 1
         if self.groups.leave_on_preempt(victim):
             self._drop_beam(victim)
-            self.num_preemptions += 1
             return
         self.running.remove(victim)
         self.kv_cache.free(victim)
@@ -479,7 +479,6 @@ class Scheduler:
         victim.num_unverified_tokens = 0
         victim.spec_token_ids = []
         victim.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.prepend(victim)
         self.policy.on_preempted(victim)
         step.preempted.append(victim.request_id)
