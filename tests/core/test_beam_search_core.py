@@ -116,7 +116,7 @@ def test_beams_share_the_prompt_and_repoint_blocks_without_copying_it():
     run_beams(driver, [root])
     assert sched.kv_cache.num_free_blocks == sched.kv_cache.num_blocks
     assert root.beam.done and 1 <= len(root.beam.hypotheses) <= 3
-    assert not sched._beam_members
+    assert not sched.groups
 
 
 def test_beams_alone_equal_beams_in_a_busy_batch():

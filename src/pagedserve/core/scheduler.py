@@ -40,6 +40,7 @@ from .kv_connector import KVConnectorOutput, KVConnectorScheduler
 from .scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput, SchedulerStats
 from .policies import make_policy
 from .request import CHILD_ID_SEPARATOR, Request, RequestStatus
+from .request_groups import RequestGroups
 from .request_queue import make_waiting_queue
 from .step_budget import StepBudget
 from .transfer_hooks import LoadOutcome, NoTransfers, TransferHooks
@@ -140,9 +141,8 @@ class Scheduler:
         # (new to the runner) and requests whose rejected drafts gave blocks back.
         self._unsynced: set[str] = set()
         self._truncated: set[str] = set()
-        self._children: dict[str, list[Request]] = {}
-        # Beam search: every member of a group by root id, in member-index order, until all are released.
-        self._beam_members: dict[str, list[Request]] = {}
+        # Parallel-sampling families and beam groups: who belongs together, and a beam group's decisions.
+        self.groups = RequestGroups()
         self._released_ids: list[str] = []
 
     # -- requests in -----------------------------------------------------------------
@@ -158,12 +158,7 @@ class Scheduler:
             raise ValueError(f"request {rid} must be new (waiting, no outputs, nothing computed)")
         if request.n > self.config.max_num_seqs:
             raise ValueError(f"request {rid}: n ({request.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
-        if request.beam is not None and not self.kv_cache.supports_forks:
-            raise ValueError(f"request {rid}: beam search needs kv_layout='paged' (beams share pages, which the "
-                             "contiguous layout cannot)")
-        if request.n > 1 and not self.kv_cache.supports_forks:
-            raise ValueError(f"request {rid}: n > 1 needs kv_layout='paged' (forked samples share pages, "
-                             "which the contiguous layout cannot)")
+        self.groups.validate(request, self.kv_cache.supports_forks)
         total = request.num_reserved_tokens
         # A pooling request reserves its prompt only: it never generates.
         what = (f"prompt ({total} tokens)" if request.pooling is not None else
@@ -176,8 +171,7 @@ class Scheduler:
             raise ValueError(f"request {rid}: {what} tokens {problem}")
         self.transfers.validate(request)
         self.requests[rid] = request
-        if request.beam is not None:
-            self._beam_members[rid] = [request]
+        self.groups.add(request)
         self.waiting.add(request)
 
     # -- one step ----------------------------------------------------------------------
@@ -464,14 +458,11 @@ class Scheduler:
             self._preempt(victim, step)
 
     def _preempt(self, victim: Request, step: _Step) -> None:
-        if victim.beam is not None and len(self._live_beams(victim.parent_id or victim.request_id)) > 1:
-            # A beam cannot rejoin its group after a recompute; the group goes on without it.
-            step.drop(victim.request_id)
-            victim.beam.scores.pop(victim.index, None)
-            self._drop_beam(victim)
-            self.num_preemptions += 1
-            return
         step.drop(victim.request_id)
+        self.num_preemptions += 1
+        if self.groups.leave_on_preempt(victim):
+            self._drop_beam(victim)
+            return
         self.running.remove(victim)
         self.kv_cache.free(victim)
         self._seats -= victim.num_seats
@@ -482,7 +473,6 @@ class Scheduler:
         victim.num_unverified_tokens = 0
         victim.spec_token_ids = []
         victim.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.prepend(victim)
         self.policy.on_preempted(victim)
         step.preempted.append(victim.request_id)
@@ -550,46 +540,28 @@ class Scheduler:
             updates += self._advance_beams(beams)
         return updates
 
-    def _live_beams(self, root_id: str) -> list[Request]:
-        return [m for m in self._beam_members.get(root_id, ()) if m.status is RUNNING]
-
     def _advance_beams(self, beams: Mapping[str, BeamCandidates]) -> list[RequestUpdate]:
-        """Advance each group by its candidates: live beams extend or re-point, finished
-        groups end (one update each, for the root request, whose `beam` holds the result)."""
+        """Advance each group by its candidates: live beams extend or re-point their blocks,
+        finished groups end (one update each, for the root request, whose `beam` holds the result)."""
         updates = []
         for root_id, candidates in beams.items():
-            live = self._live_beams(root_id)
-            if not live:
+            advanced = self.groups.advance(root_id, candidates)
+            if advanced is None:
                 continue  # aborted since the step was scheduled
-            group = live[0].beam
-            continuations = group.advance(candidates, {m.index: m.output_token_ids for m in live})
-            root = self._beam_members[root_id][0]
-            if group.done:
-                for member in live:
-                    self._end(member, RequestStatus.FINISHED_STOPPED)
-                updates.append(RequestUpdate(root, [], RequestStatus.FINISHED_STOPPED))
+            root = advanced.root
+            if root.beam.done:
+                for member in advanced.live:
+                    self._end(member, STOPPED)
+                updates.append(RequestUpdate(root, [], STOPPED))
                 continue
             if root.fork_pending:
-                self._beam_members[root_id].extend(self._fork(root))
-                live = self._live_beams(root_id)
-            self._repoint_beams(live, continuations)
+                self._fork(root)
+            moves = self.groups.seat(root_id, advanced.continuations)
+            self.kv_cache.repoint(moves.moved)
+            self._unsynced.update(member.request_id for member, _ in moves.moved)
+            for member in moves.dropped:
+                self._drop_beam(member)
         return updates
-
-    def _repoint_beams(self, live: list[Request], continuations: list[tuple[int, int, float]]) -> None:
-        """Seat the group's live continuations in its members: a member that continues another
-        beam adopts that beam's tokens and shares its blocks; members left over are dropped."""
-        by_index = {m.index: m for m in live}
-        placements, empty = live[0].beam.place(continuations, sorted(by_index))
-        moves = [(by_index[p.slot], by_index[p.source]) for p in placements if p.slot != p.source]
-        states = [source.token_state() for _, source in moves]
-        self.kv_cache.repoint(moves)
-        for (member, _), state in zip(moves, states):
-            member.adopt(state)
-            self._unsynced.add(member.request_id)
-        for p in placements:
-            by_index[p.slot].append_output_token(p.token)
-        for slot in empty:
-            self._drop_beam(by_index[slot])
 
     def _drop_beam(self, member: Request) -> None:
         """Release a beam its group no longer needs (nothing reports it: the group reports once)."""
@@ -618,16 +590,14 @@ class Scheduler:
         return RequestUpdate(req, kept, status)
 
     def _fork(self, parent: Request) -> list[Request]:
-        """Split a parallel-sampling parent at its first sample into n rows sharing its blocks."""
-        parent.fork_pending = False
-        children = [parent.make_child(i, self.block_size) for i in range(1, parent.n)]
+        """Split a parent (n > 1, or a beam group) at its first sample into n rows sharing its blocks."""
+        children = self.groups.fork(parent, self.block_size)
         for child in children:
             self.kv_cache.fork(parent, child)
             self.requests[child.request_id] = child
             self._unsynced.add(child.request_id)
         pos = self.running.index(parent) + 1
         self.running[pos:pos] = children
-        self._children[parent.request_id] = children
         self.policy.on_forked(children)
         return children
 
@@ -653,7 +623,7 @@ class Scheduler:
     def abort(self, request_id: str) -> list[Request]:
         """Abort a request in any state (and, for a parallel-sampling parent, its
         children), freeing blocks at once. Returns the requests aborted."""
-        targets = [r for r in (self.requests.get(request_id), *self._children.get(request_id, ()))
+        targets = [r for r in (self.requests.get(request_id), *self.groups.children(request_id))
                    if r is not None and not r.is_finished]
         for req in targets:
             self._end(req, ABORTED)
@@ -704,13 +674,7 @@ class Scheduler:
         self._truncated.discard(rid)
         del self.requests[rid]
         self._released_ids.append(rid)
-        root = req.parent_id or rid
-        family = self._children.get(root)
-        if family is not None and root not in self.requests and all(c.request_id not in self.requests for c in family):
-            del self._children[root]
-        beams = self._beam_members.get(root)
-        if beams is not None and all(m.request_id not in self.requests for m in beams):
-            del self._beam_members[root]
+        self.groups.release(req, self.requests)
 
     # -- introspection -------------------------------------------------------------------
 
@@ -763,3 +727,4 @@ class Scheduler:
                 | set(self.transfers.loading))
         if live != set(self.requests):
             raise AssertionError(f"requests {sorted(live ^ set(self.requests))} are lost or duplicated")
+        self.groups.check_invariants(self.requests)
