@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ..sampling_params import ReasoningMarkers
+from .tool_parsers import partial_suffix
 
 Encode = Callable[[str], Sequence[int]]
 
@@ -71,14 +72,6 @@ def split(parser: StreamingReasoningParser, pieces: Sequence[tuple[str, int]]) -
         reasoning.append(delta.reasoning)
         content.append(delta.content)
     return "".join(reasoning) or None, "".join(content), parser.reasoning_tokens
-
-
-def partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that starts `marker` (it may become the marker)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class _Section(Enum):

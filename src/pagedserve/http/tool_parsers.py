@@ -165,7 +165,7 @@ class StreamingToolParser:
                 self._body_start = self._pos = start + len(self._open)
                 return True
             if not final:
-                end = max(self._pos, len(self._text) - _partial_suffix(self._text, self._open))
+                end = max(self._pos, len(self._text) - partial_suffix(self._text, self._open))
                 self._emit_content(out, self._text[self._pos:end], dropping_space=False)
                 self._pos = end
             return False
@@ -183,7 +183,7 @@ class StreamingToolParser:
         if not final:
             # A partial closing tag, and the trailing } and whitespace (maybe the call's own
             # closing brace) are held back.
-            region = self._text[self._args_start:len(self._text) - _partial_suffix(self._text, self._close)]
+            region = self._text[self._args_start:len(self._text) - partial_suffix(self._text, self._close)]
             self._send_args(out, re.sub(r"[\s}]*$", "", region))
         return False
 
@@ -239,10 +239,11 @@ def _call_from_json(body: str) -> tuple[str, str]:
     return "", body.strip()
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that starts `tag` (it may become the tag)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
+def partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that starts `marker` (it may become the marker):
+    what a streaming parser holds back until the next delta decides."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
             return n
     return 0
 
