@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pagedserve.core.config import CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
+from pagedserve.core.scheduler_config import CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS
 from pagedserve.sim.scenario import build_scenario
 from pagedserve.sim.simulator import simulate
 from pagedserve.workload.datasets import mixed_dataset, random_dataset

@@ -25,7 +25,7 @@ import time
 
 from fastapi import FastAPI
 
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.engine.async_engine import AsyncEngine, GenerationRequest
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.openai.dashboard import DashboardHub, install_dashboard

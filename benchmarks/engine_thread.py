@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.openmp_pool import release_thread_pool
 from pagedserve.kernels import resolve_kernels

@@ -39,7 +39,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.entrypoints.openai.args import ServerConfig
 from pagedserve.entrypoints.openai.server import build_app

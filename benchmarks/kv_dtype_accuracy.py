@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from reference_prompts import REFERENCE_TEXTS  # noqa: E402
 
 from pagedserve import SamplingParams  # noqa: E402
-from pagedserve.config import EngineConfig  # noqa: E402
+from pagedserve.engine_config import EngineConfig  # noqa: E402
 from pagedserve.engine.llm import LLM  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pagedserve.model.loader import load_model  # noqa: E402
@@ -62,7 +62,7 @@ def main() -> None:
     print(f"{'kv dtype':>9} {'tokens held':>12} {'perplexity':>11} {'greedy tokens = fp32':>22} {'prompts identical':>18}")
     for dtype in args.dtypes.split(","):
         llm = engine_llm(loaded, dtype, args.kv_cache_memory)
-        held = llm.stats()["kv_total_blocks"] * llm.engine.config.block_size
+        held = llm.stats()["kv_total_blocks"] * llm.engine.config.kv.block_size
         ppl = perplexity(llm, ids, args.window)
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy,
                                                              use_tqdm=False)]

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.model.loader import load_model
 from pagedserve.sim.twin import interleaved_medians

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from pagedserve.bench.lora_adapters import write_random_adapter
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.model.loader import load_model
 from pagedserve.sampling_params import SamplingParams

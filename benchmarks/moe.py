@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType as T
 
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.gguf_write import write_gguf

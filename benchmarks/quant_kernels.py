@@ -27,7 +27,7 @@ import warnings
 
 import torch
 
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.kernels import resolve_kernels
 from pagedserve.model.llama import PACK_ROWS_HINT

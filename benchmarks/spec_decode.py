@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.model.loader import load_model
 from pagedserve.sampling_params import SamplingParams

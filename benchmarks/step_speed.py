@@ -35,7 +35,6 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sim.twin import best_seconds, measure_matmul_flops
@@ -220,6 +219,10 @@ def main() -> None:
         paired(args)
         return
 
+    # Here, not at the top: a paired worker may import another checkout's pagedserve, where the
+    # options module had another name.
+    from pagedserve.engine_config import EngineConfig
+
     defaults = ["auto", "none", "auto", "blocks"]
     choices = [(parts := c.split(":")) + defaults[len(parts):] for c in args.kernels.split(",")]
     engines = [LLMEngine(EngineConfig(
@@ -235,12 +238,12 @@ def main() -> None:
     for engine, d in zip(engines, decodes):
         overhead = 1 - d["model_s"] / d["step_s"]
         print(f"[{engine.kernels} kernels, {engine.runner.backend.name} attention, "
-              f"{engine.config.quantization} weights ({engine.config.gguf_weights}), {engine.config.kv_cache_dtype} KV] decode: {args.decode_seqs} seqs "
+              f"{engine.config.load.quantization} weights ({engine.config.load.gguf_weights}), {engine.config.kv.kv_cache_dtype} KV] decode: {args.decode_seqs} seqs "
               f"x ~{args.context} ctx: step {d['step_s'] * 1e3:.1f} ms, {d['gflops']:.1f} GFLOP/s = "
               f"{d['gflops'] / mm:.0%} of matmul rate; overhead outside the forward {overhead:.1%}")
     if len(engines) > 1:
         print("decode step time relative to the first: "
-              + ", ".join(f"{e.kernels}:{e.config.quantization}:{e.config.kv_cache_dtype}:{e.config.gguf_weights} "
+              + ", ".join(f"{e.kernels}:{e.config.load.quantization}:{e.config.kv.kv_cache_dtype}:{e.config.load.gguf_weights} "
                         f"{d['step_s'] / decodes[0]['step_s']:.2f}x" for e, d in zip(engines, decodes)))
     engine, d = engines[0], decodes[0]
     gemm_s = linear_layers_seconds(engine, args.decode_seqs)
@@ -248,7 +251,7 @@ def main() -> None:
           f"{d['gflops'] * d['step_s'] / gemm_s / mm:.0%} of matmul rate with free attention and no overhead")
     for engine in engines:
         p = measure_prefill(engine, args.prefill_len, 3)
-        print(f"[{engine.kernels} kernels, {engine.config.quantization} weights] prefill: {args.prefill_len} tokens in one step: "
+        print(f"[{engine.kernels} kernels, {engine.config.load.quantization} weights] prefill: {args.prefill_len} tokens in one step: "
               f"{p['step_s'] * 1e3:.0f} ms, {p['gflops']:.1f} GFLOP/s = {p['gflops'] / mm:.0%} of matmul rate")
 
 

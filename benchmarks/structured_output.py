@@ -26,7 +26,7 @@ import time
 import torch
 
 import pagedserve.worker.model_runner as model_runner
-from pagedserve.config import EngineConfig
+from pagedserve.engine_config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured_output.logits import GrammarStep, bitmask_words
