@@ -151,7 +151,7 @@ def install_dashboard(app: FastAPI, engine: AsyncEngine, model_name: str, show_p
     the routes' request models for the document. The hub is app.state.dashboard."""
     feed = DashboardFeed(show_prompts)
     llm = engine.engine
-    spec = llm.config.speculative_config
+    spec = llm.config.serving.speculative_config
     info = {
         "model": model_name,
         "max_model_len": engine.max_context_len,

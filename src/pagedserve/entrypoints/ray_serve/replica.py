@@ -51,7 +51,7 @@ class EngineReplica:
 
     async def record_routing_stats(self) -> dict:
         block_size, hashes = await self.async_engine.run_on_thread(
-            lambda e: (e.config.block_size, e.scheduler.kv_cache.cached_hashes()))
+            lambda e: (e.config.kv.block_size, e.scheduler.kv_cache.cached_hashes()))
         snap = self.async_engine.snapshot
         return {"replica": self.replica_id, "pid": os.getpid(), "seq": next(self._stats_seq), "block_size": block_size,
                 "hashes": [h.hex() for h in hashes], "prefix_cache_hits": snap.prefix_cache_hits,
