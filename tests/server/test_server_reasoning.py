@@ -242,3 +242,11 @@ def test_structured_output_constrains_only_the_answer(oai):
     assert message.reasoning_content == REASONING and message.content in ('"yes"', '"no"')
     capped = oai.chat.completions.create(**fields, extra_body={"thinking_token_budget": 2}).choices[0].message
     assert capped.content in ('"yes"', '"no"') and REASONING.startswith(capped.reasoning_content)
+
+
+def test_a_completion_with_a_schema_is_constrained_whole(oai):
+    """A completion's text is returned unsplit, so its grammar holds from the first token:
+    no thinking section is opened before it."""
+    text = oai.completions.create(model="m", prompt="<|im_start|>assistant\n", max_tokens=20,
+                                  extra_body={"structured_outputs": {"choice": ["yes", "no"]}}).choices[0].text
+    assert text in ("yes", "no")

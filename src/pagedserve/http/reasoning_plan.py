@@ -33,11 +33,15 @@ class ReasoningPlan:
         """How this request's reply is split, given its rendered prompt (None: not at all)."""
         return None if self.format is None else self.format.for_prompt(prompt)
 
-    def apply(self, params: SamplingParams, setup: PromptReasoning | None, encode: Encode) -> SamplingParams:
+    def apply(self, params: SamplingParams, setup: PromptReasoning | None, encode: Encode,
+              split_reply: bool = False) -> SamplingParams:
         """`params` with the section's markers where the engine needs them: to cap the
-        thinking at the budget, or to hold a grammar back until the answer starts
-        (docs/thinking-budget.md). Nothing when the prompt turned thinking off."""
-        if setup is None or (self.budget is None and params.structured_outputs is None):
+        thinking at the budget, or, for a reply the server splits into reasoning and answer
+        (`split_reply`: chat, Responses, Messages), to hold a grammar back until the answer
+        starts (docs/thinking-budget.md). A completion's text is returned whole, so its
+        grammar keeps constraining all of it. Nothing when the prompt turned thinking off."""
+        defers_grammar = split_reply and params.structured_outputs is not None
+        if setup is None or (self.budget is None and not defers_grammar):
             return params
         budget = self.budget
         if budget is not None and self.clamp and params.max_tokens is not None:

@@ -98,7 +98,7 @@ class ChatServing(OpenAIServing):
             except ValueError as e:  # min_tokens beyond the room the prompt left
                 raise bad_request(e) from None
         reasoning = plan.reasoning.for_prompt(text)
-        params = plan.reasoning.apply(params, reasoning, self.encode_marker)
+        params = plan.reasoning.apply(params, reasoning, self.encode_marker, split_reply=True)
         stream = await self.start(seat, [
             GenerationRequest(request_id, prompt_ids, params, arrival, req.priority, req.cache_salt,
                               req.kv_transfer_params, self.lora_of(req.model))
