@@ -26,7 +26,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / PACKAGE
 
 LAYERS: list[set[str]] = [
     {"core"},
-    {"attention", "kernels", "model", "workload", "paths", "kv_transfer"},
+    {"attention", "kernels", "model", "multimodal", "workload", "paths", "kv_transfer"},
     {"spec_decode", "structured_output", "engine_config", "resolved_config", "sampling_params", "pooling_params", "sampling_state", "outputs"},
     {"http"},
     {"worker"},

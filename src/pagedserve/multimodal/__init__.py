@@ -1,0 +1,2 @@
+"""Images in: decoded, bounded image inputs (inputs.py) shared by the HTTP layer that
+receives them and the engine and models that encode them."""
