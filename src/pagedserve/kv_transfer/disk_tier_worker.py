@@ -158,6 +158,8 @@ class DiskTierWorker(KVConnectorWorker):
                 raise
             except OSError:
                 self.index.remove(name)
+                if not os.path.isdir(self.index.directory):  # deleted under the engine: every file is gone
+                    self.index.clear()
                 raise
             src = torch.frombuffer(payload, dtype=torch.uint8).view(shape.num_layers, shape.layer_bytes)
             with torch.inference_mode():
