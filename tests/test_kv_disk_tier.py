@@ -3,6 +3,7 @@ keys that isolate models, dtypes and tenants, and faults that leave the engine s
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import signal
@@ -59,12 +60,13 @@ def loaded(folders):
 @pytest.fixture(scope="module")
 def reference(loaded):
     """PROMPT and OTHER recomputed by an engine without the tier: (token ids, logprobs) each."""
-    llm = make_llm(loaded)
+    llm = make_llm(loaded, num_threads=1)
     return {key: _run(llm, prompt) for key, prompt in (("prompt", PROMPT), ("other", OTHER))}
 
 
 def _tier(loaded, directory: Path, size: str = "1MiB", **options):
-    return make_llm(loaded, kv_offload_dir=str(directory), kv_offload_size=size, **options)
+    # One thread: the tiny model's matrices gain nothing from more, and a busy machine's cores cost a lot.
+    return make_llm(loaded, kv_offload_dir=str(directory), kv_offload_size=size, num_threads=1, **options)
 
 
 def _run(llm, prompt: list[int], cache_salt: str | None = None) -> tuple[list[int], list]:
@@ -277,3 +279,77 @@ def test_options_are_checked_by_name():
     resolved = EngineConfig(kv_offload_dir="/tmp/x", kv_offload_size="2KiB").resolve("cpu")
     assert resolved.kv.offload == KVOffloadConfig("/tmp/x", 2048)
     assert EngineConfig.from_resolved(resolved).resolve("cpu") == resolved
+
+
+# -- other processes: a replica beside this one, a killed writer, a file-size limit ------------
+
+_CHILD = """
+import json, resource, sys
+folder, tier, mode = sys.argv[1:4]
+prompts = json.loads(sys.argv[4])
+if mode == "fsize":  # every file write past 4 KiB fails (EFBIG), as on a full disk
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+from pagedserve import LLM, SamplingParams
+llm = LLM(folder, kv_offload_dir=tier, kv_offload_size="1MiB", kv_cache_memory="8MiB", num_threads=1)
+greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+if mode == "loop":  # writes new prompts' blocks until killed
+    for i in range(10**6):
+        llm.generate([list(range(1000 + 80 * i, 1070 + 80 * i))], greedy, use_tqdm=False)
+tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+llm.engine.kv_connector.drain()
+print(json.dumps({"tokens": tokens, "stats": llm.stats()}))
+"""
+
+
+def _child(folder: Path, tier: Path, mode: str, prompts: list[list[int]]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _CHILD, str(folder), str(tier), mode, json.dumps(prompts)],
+                            stdout=subprocess.PIPE, text=True)
+
+
+def _child_result(child: subprocess.Popen) -> dict:
+    out, _ = child.communicate(timeout=300)
+    assert child.returncode == 0
+    return json.loads(out.splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_two_processes_share_a_directory(folders, loaded, reference, tmp_path):
+    llm = _tier(loaded, tmp_path)
+    _run(llm, OTHER)
+    llm.engine.kv_connector.drain()
+    child = _child_result(_child(folders[0], tmp_path, "once", [PROMPT, OTHER]))
+    assert child["tokens"] == [reference["prompt"][0], reference["other"][0]]
+    assert child["stats"]["kv_disk_hit_blocks"] == NUM_TIER_BLOCKS  # OTHER, written by this process
+    assert _run(llm, PROMPT) == reference["prompt"]
+    assert _finish(llm)["kv_disk_hit_blocks"] == NUM_TIER_BLOCKS  # PROMPT, written by the child
+
+
+@pytest.mark.slow
+def test_kill_9_during_write_back_leaves_no_corrupt_file(folders, loaded, tmp_path):
+    child = _child(folders[0], tmp_path, "loop", [])
+    deadline = time.monotonic() + 300
+    while len(_files(tmp_path)) < 3 * NUM_TIER_BLOCKS and time.monotonic() < deadline and child.poll() is None:
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert len(_files(tmp_path)) >= 3 * NUM_TIER_BLOCKS
+    llm = _tier(loaded, tmp_path)
+    assert not list(tmp_path.glob(TEMP_PREFIX + "*"))  # the killed writer's temp files are gone
+    worker = llm.engine.kv_connector
+    for path in _files(tmp_path):  # every published file is whole
+        disk_block_file.read_block_file(str(path), worker._shape, bytes.fromhex(path.stem.split("-")[1]))
+    prompts = [list(range(1000 + 80 * i, 1070 + 80 * i)) for i in range(3)]
+    plain = make_llm(loaded, num_threads=1)
+    assert [_run(llm, p) for p in prompts] == [_run(plain, p) for p in prompts]
+    stats = _finish(llm)
+    assert stats["kv_disk_hit_blocks"] == 3 * NUM_TIER_BLOCKS and stats["kv_disk_loads_failed"] == 0
+
+
+@pytest.mark.slow
+def test_a_file_size_limit_disables_writes_in_a_serving_process(folders, reference, tmp_path):
+    child = _child_result(_child(folders[0], tmp_path, "fsize", [PROMPT]))
+    assert child["tokens"] == [reference["prompt"][0]]
+    stats = child["stats"]
+    assert stats["kv_disk_write_errors"] == 1 and stats["kv_disk_writes_disabled"] == 1
+    assert stats["kv_disk_writes_dropped"] == NUM_TIER_BLOCKS - 1
+    assert not _files(tmp_path) and not list(tmp_path.glob(TEMP_PREFIX + "*"))
