@@ -353,3 +353,25 @@ def test_a_file_size_limit_disables_writes_in_a_serving_process(folders, referen
     assert stats["kv_disk_write_errors"] == 1 and stats["kv_disk_writes_disabled"] == 1
     assert stats["kv_disk_writes_dropped"] == NUM_TIER_BLOCKS - 1
     assert not _files(tmp_path) and not list(tmp_path.glob(TEMP_PREFIX + "*"))
+
+
+def test_the_tier_counters_on_metrics(loaded, tmp_path):
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagedserve.engine.async_engine import EngineSnapshot
+    from pagedserve.entrypoints.openai.metrics import ServerMetrics
+
+    llm = _tier(loaded, tmp_path)
+    _run(llm, PROMPT)
+    stats = _finish(llm)
+    counters = {k: v for k, v in stats.items() if k.startswith("kv_disk_")}
+    server = ServerMetrics("tiny")
+    server.watch(SimpleNamespace(snapshot=EngineSnapshot(kv_transfer=counters), num_waiting=0))
+    families = {f.name: f for f in text_string_to_metric_families(server.render().decode())}
+    assert families["pagedserve:kv_disk_blocks_written"].type == "counter"
+    assert families["pagedserve:kv_disk_blocks_written"].samples[0].value == NUM_TIER_BLOCKS
+    assert families["pagedserve:kv_disk_files"].type == "gauge"
+    assert families["pagedserve:kv_disk_read_seconds"].type == "counter"
+    assert "pagedserve:kv_disk_read_microseconds" not in families
