@@ -253,14 +253,15 @@ def test_a_full_disk_shrinks_the_tier_to_what_it_holds(tmp_path):
 
 
 def test_a_full_write_queue_drops_the_write_and_frees_the_blocks(tmp_path):
-    worker = DiskTierWorker(DiskIndex(str(tmp_path), 1 << 20), "00" * 16, queue_requests=1)
+    worker = DiskTierWorker(DiskIndex(str(tmp_path), 1 << 20), "00" * 16, queue_blocks=3)
     worker.register_kv_caches([torch.zeros(2, 4, 16, 2, 8)])
-    worker.shutdown()  # the writer stops: the queue fills
+    worker.shutdown()  # the writer stops: what is queued stays queued
     worker._writer.join()
-    saves = [DiskBlocks(f"r{i}", (f"{'00' * 16}-{i:064x}{SUFFIX}",), (i,)) for i in range(2)]
+    names = [f"{'00' * 16}-{i:064x}{SUFFIX}" for i in range(4)]
+    saves = [DiskBlocks("r0", tuple(names[:2]), (0, 1)), DiskBlocks("r1", tuple(names[2:]), (2, 3))]
     worker.bind_connector_metadata(DiskTierMetadata(saves=saves))
-    assert worker.get_finished().finished_sending == {"r1"}
-    assert worker.stats()["kv_disk_writes_dropped"] == 1
+    assert worker.get_finished().finished_sending == {"r1"}  # 2 + 2 blocks > 3: r1 dropped, freed at once
+    assert worker.stats()["kv_disk_writes_dropped"] == 2
 
 
 def test_options_are_checked_by_name():

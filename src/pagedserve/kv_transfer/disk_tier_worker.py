@@ -1,7 +1,8 @@
 """The disk tier's worker half: a writer thread with a bounded queue and a pool of readers.
 
 Saves (a finished request's blocks the tier lacks): the engine's thread only queues them;
-when the queue is full the save is dropped and counted, and its blocks go back at once.
+when the queue holds WRITE_QUEUE_BLOCKS blocks already the save is dropped and counted,
+and its blocks go back at once.
 The writer copies the blocks out of the KV tensors, reports them free, then writes one
 file per block (kv_transfer/disk_block_file.py) and indexes it, evicting the least
 recently used files beyond the size.
@@ -38,8 +39,8 @@ from .frame import DTYPES
 
 logger = logging.getLogger(__name__)
 
-# Requests whose blocks may wait for the writer at once: bounds the blocks held from the pool.
-WRITE_QUEUE_REQUESTS = 64
+# Blocks that may wait for the writer at once: the most a slow disk holds out of the pool.
+WRITE_QUEUE_BLOCKS = 256
 _READ_THREADS = 2
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 # A full disk keeps this share of what the tier holds, so the next writes find room.
@@ -47,7 +48,7 @@ _SHRINK = 0.9
 
 
 class DiskTierWorker(KVConnectorWorker):
-    def __init__(self, index: DiskIndex, namespace: str, queue_requests: int = WRITE_QUEUE_REQUESTS):
+    def __init__(self, index: DiskIndex, namespace: str, queue_blocks: int = WRITE_QUEUE_BLOCKS):
         self.index = index
         self.namespace = namespace
         self.engine_id, self.host, self.port = namespace, "", 0
@@ -57,7 +58,9 @@ class DiskTierWorker(KVConnectorWorker):
         self._finished = KVConnectorOutput()
         self._activity = threading.Event()
         self._loads: list[DiskBlocks] = []
-        self._queue: queue.Queue[DiskBlocks | None] = queue.Queue(queue_requests)
+        self._queue: queue.Queue[DiskBlocks | None] = queue.Queue()
+        self._queue_blocks = queue_blocks
+        self._queued_blocks = 0  # in the queue, not yet copied out of the KV tensors
         self._readers = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="kv-disk-read")
         self._writing = True
         self._remade_directory = False
@@ -88,10 +91,15 @@ class DiskTierWorker(KVConnectorWorker):
             return
         self._loads += metadata.loads
         for save in metadata.saves:
-            try:
-                self._queue.put_nowait(save)
-            except queue.Full:
-                self._count("kv_disk_writes_dropped", len(save.names))
+            with self._lock:
+                room = self._queued_blocks + len(save.block_ids) <= self._queue_blocks
+                if room:
+                    self._queued_blocks += len(save.block_ids)
+                else:
+                    self.counters["kv_disk_writes_dropped"] += len(save.names)
+            if room:
+                self._queue.put(save)
+            else:
                 self._report("finished_sending", save.request_id)
 
     def start_load_kv(self) -> None:
@@ -113,12 +121,10 @@ class DiskTierWorker(KVConnectorWorker):
             return {**self.counters, "kv_disk_capacity_bytes": self.index.capacity}
 
     def shutdown(self) -> None:
-        """Stop reading; the writer finishes what is queued (its files are whole or absent either way)."""
+        """Stop reading; the writer finishes what is queued (its files are whole or absent either way)
+        and stops."""
         self._readers.shutdown(wait=False, cancel_futures=True)
-        try:
-            self._queue.put_nowait(None)
-        except queue.Full:
-            pass  # the writer is a daemon: a queue it never drains dies with the process
+        self._queue.put(None)
 
     def _report(self, kind: str, request_id: str) -> None:
         with self._lock:
@@ -196,6 +202,8 @@ class DiskTierWorker(KVConnectorWorker):
         try:
             payloads = self._gather(save) if self._writing else []
         finally:
+            with self._lock:
+                self._queued_blocks -= len(save.block_ids)
             self._report("finished_sending", save.request_id)
         if not self._writing:
             self._count("kv_disk_writes_dropped", len(save.names))
