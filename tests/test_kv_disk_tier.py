@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
+from safetensors.torch import save_file
 
 from engine_utils import assert_all_blocks_free, make_llm
 from pagedserve import SamplingParams
@@ -28,20 +28,43 @@ from pagedserve.kv_transfer.disk_tier_worker import DiskTierWorker
 from pagedserve.model.loader import load_model
 from pagedserve.model.sources import load_model_tokenizer
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
 PROMPT = list(range(100, 170))  # 70 tokens: 4 full blocks of 16 may come from the tier
 OTHER = list(range(300, 370))
 NUM_TIER_BLOCKS = 4
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
 
 
-def _save_tiny(path: Path, tokenizer, seed: int) -> Path:
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=tokenizer.vocab_size, **TINY)).eval()
-    model.save_pretrained(path)
-    tokenizer.save(path)
-    return path
+def _save_tiny(folder: Path, tokenizer, seed: int) -> Path:
+    """A tiny Llama with random weights (seeded), as an HF folder."""
+    folder.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(seed)
+    head_dim = HIDDEN // HEADS
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.2
+
+    weights = {"model.embed_tokens.weight": rand(tokenizer.vocab_size, HIDDEN),
+               "lm_head.weight": rand(tokenizer.vocab_size, HIDDEN), "model.norm.weight": torch.ones(HIDDEN)}
+    for i in range(LAYERS):
+        layer = f"model.layers.{i}."
+        weights.update({
+            layer + "input_layernorm.weight": torch.ones(HIDDEN),
+            layer + "post_attention_layernorm.weight": torch.ones(HIDDEN),
+            layer + "self_attn.q_proj.weight": rand(HEADS * head_dim, HIDDEN),
+            layer + "self_attn.k_proj.weight": rand(KV_HEADS * head_dim, HIDDEN),
+            layer + "self_attn.v_proj.weight": rand(KV_HEADS * head_dim, HIDDEN),
+            layer + "self_attn.o_proj.weight": rand(HIDDEN, HEADS * head_dim),
+            layer + "mlp.gate_proj.weight": rand(FFN, HIDDEN), layer + "mlp.up_proj.weight": rand(FFN, HIDDEN),
+            layer + "mlp.down_proj.weight": rand(HIDDEN, FFN)})
+    save_file(weights, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": tokenizer.vocab_size,
+        "hidden_size": HIDDEN, "intermediate_size": FFN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 256,
+        "tie_word_embeddings": False, "torch_dtype": "float32"}))
+    tokenizer.save(folder)
+    return folder
 
 
 @pytest.fixture(scope="module")
