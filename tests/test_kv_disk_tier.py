@@ -129,6 +129,18 @@ def test_a_restarted_engine_reads_the_tier_bit_for_bit(loaded, reference, tmp_pa
     assert stats["kv_disk_blocks_written"] == 0  # nothing new to write
 
 
+def test_ngram_speculation_with_the_tier_gives_the_same_tokens(loaded, reference, tmp_path):
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    repetitive = OTHER[:20] * 3 + OTHER[:10]  # n-gram matches: drafts are proposed
+    plain = [_run(make_llm(loaded, num_threads=1), p)[0] for p in (repetitive, PROMPT)]
+    first = _tier(loaded, tmp_path, speculative_config=spec)
+    assert [_run(first, p)[0] for p in (repetitive, PROMPT)] == plain
+    _finish(first)
+    restarted = _tier(loaded, tmp_path, speculative_config=spec)
+    assert [_run(restarted, p)[0] for p in (repetitive, PROMPT)] == plain == [plain[0], reference["prompt"][0]]
+    assert _finish(restarted)["kv_disk_hit_blocks"] == 2 * NUM_TIER_BLOCKS
+
+
 def test_keys_isolate_tenants_dtypes_and_models(folders, loaded, reference, tmp_path):
     writer = _tier(loaded, tmp_path)
     _run(writer, PROMPT, cache_salt="tenant-a")

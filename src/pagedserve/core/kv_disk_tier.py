@@ -109,7 +109,9 @@ class DiskTierScheduler(KVConnectorScheduler):
     def request_finished(self, request: Request, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
         """Hold the request's computed full blocks the tier lacks for the writer."""
         self._loads.pop(request.request_id, None)
-        num_full = min(request.num_computed_tokens // self.block_size, len(block_ids))
+        # Verified KV of tokens the request still holds (a stop inside accepted drafts cuts tokens
+        # whose KV was computed).
+        num_full = min(min(request.num_verified_tokens, request.num_tokens - 1) // self.block_size, len(block_ids))
         if request.lora_id or request.skip_prefix_cache or num_full == 0:
             return False, None
         contains = self.index.contains
