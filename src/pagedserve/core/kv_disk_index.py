@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 SUFFIX = ".kvb"
 TEMP_PREFIX = ".tmp-"
+# A temp file older than this is a killed writer's; a younger one may be another engine's
+# write in progress, which takes milliseconds.
+STALE_TEMP_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -67,14 +71,16 @@ class DiskIndex:
         return os.path.join(self.directory, name)
 
     def rebuild(self) -> list[str]:
-        """Read the directory's names and sizes (creating it if absent); delete temp files a
-        killed writer left. Returns the names to evict beyond capacity."""
+        """Read the directory's names and sizes (creating it if absent); delete stale temp
+        files a killed writer left. Returns the names to evict beyond capacity."""
         os.makedirs(self.directory, exist_ok=True)
         found = []
+        stale = time.time() - STALE_TEMP_SECONDS
         with os.scandir(self.directory) as entries:
             for entry in entries:
                 if entry.name.startswith(TEMP_PREFIX):
-                    _unlink(entry.path)
+                    if entry.stat(follow_symlinks=False).st_mtime < stale:
+                        _unlink(entry.path)
                 elif entry.name.endswith(SUFFIX) and entry.is_file(follow_symlinks=False):
                     st = entry.stat(follow_symlinks=False)
                     found.append((st.st_mtime_ns, entry.name, st.st_size))

@@ -68,7 +68,10 @@ class DiskTierWorker(KVConnectorWorker):
             "kv_disk_blocks_read", "kv_disk_blocks_written", "kv_disk_bytes_read", "kv_disk_bytes_written",
             "kv_disk_read_microseconds", "kv_disk_loads_failed", "kv_disk_corrupt_files", "kv_disk_evictions",
             "kv_disk_writes_dropped", "kv_disk_write_errors", "kv_disk_writes_disabled")}
-        self._evict(index.rebuild())
+        try:
+            self._evict(index.rebuild())
+        except OSError as e:
+            raise ValueError(f"kv_offload_dir {index.directory!r} cannot be read or made: {e}") from None
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-write", daemon=True)
         self._writer.start()
         logger.info("KV disk tier: %s, %d files, %.2f of %.2f GiB", index.directory, len(index),
@@ -246,6 +249,8 @@ class DiskTierWorker(KVConnectorWorker):
     def _write_failed(self, e: OSError) -> bool:
         """Count and log a failed write and adapt the tier; True to retry it once."""
         self._count("kv_disk_write_errors")
+        if e.errno == errno.ENOENT and os.path.isdir(self.index.directory):
+            return False  # another engine's start took our temp file for a killed writer's
         if e.errno == errno.ENOENT and not self._remade_directory:
             self._remade_directory = True
             logger.warning("KV disk tier: %s vanished (%s); making it again, its files are gone",
