@@ -295,10 +295,11 @@ def test_a_full_write_queue_drops_the_write_and_frees_the_blocks(tmp_path):
     worker.register_kv_caches([torch.zeros(2, 4, 16, 2, 8)])
     worker.shutdown()  # the writer stops: what is queued stays queued
     worker._writer.join()
-    names = [f"{'00' * 16}-{i:064x}{SUFFIX}" for i in range(4)]
-    saves = [DiskBlocks("r0", tuple(names[:2]), (0, 1)), DiskBlocks("r1", tuple(names[2:]), (2, 3))]
+    names = [f"{'00' * 16}-{i:064x}{SUFFIX}" for i in range(6)]
+    # An empty queue takes r0 though it is longer than the bound; then 4 + 2 blocks > 3: r1 is dropped.
+    saves = [DiskBlocks("r0", tuple(names[:4]), (0, 1, 2, 3)), DiskBlocks("r1", tuple(names[4:]), (0, 1))]
     worker.bind_connector_metadata(DiskTierMetadata(saves=saves))
-    assert worker.get_finished().finished_sending == {"r1"}  # 2 + 2 blocks > 3: r1 dropped, freed at once
+    assert worker.get_finished().finished_sending == {"r1"}  # freed at once
     assert worker.stats()["kv_disk_writes_dropped"] == 2
 
 

@@ -1,8 +1,8 @@
 """The disk tier's worker half: a writer thread with a bounded queue and a pool of readers.
 
 Saves (a finished request's blocks the tier lacks): the engine's thread only queues them;
-when the queue holds WRITE_QUEUE_BLOCKS blocks already the save is dropped and counted,
-and its blocks go back at once.
+when they would take the queue past WRITE_QUEUE_BLOCKS blocks the save is dropped and
+counted, and its blocks go back at once.
 The writer copies the blocks out of the KV tensors, reports them free, then writes one
 file per block (kv_transfer/disk_block_file.py) and indexes it, evicting the least
 recently used files beyond the size.
@@ -39,7 +39,8 @@ from .frame import DTYPES
 
 logger = logging.getLogger(__name__)
 
-# Blocks that may wait for the writer at once: the most a slow disk holds out of the pool.
+# Blocks that may wait for the writer at once (or one request's, if more): the most a slow
+# disk holds out of the pool.
 WRITE_QUEUE_BLOCKS = 256
 _READ_THREADS = 2
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -95,7 +96,8 @@ class DiskTierWorker(KVConnectorWorker):
         self._loads += metadata.loads
         for save in metadata.saves:
             with self._lock:
-                room = self._queued_blocks + len(save.block_ids) <= self._queue_blocks
+                # An empty queue takes any request, so a prompt longer than the bound is written too.
+                room = not self._queued_blocks or self._queued_blocks + len(save.block_ids) <= self._queue_blocks
                 if room:
                     self._queued_blocks += len(save.block_ids)
                 else:
