@@ -100,7 +100,10 @@ class DiskIndex:
             size = os.stat(self.path(name)).st_size
         except OSError:
             return False
-        self.add(name, size)
+        with self._lock:  # no eviction here: the writer's next add evicts (and deletes) for it
+            if name not in self._files:
+                self._files[name] = size
+                self._bytes += size
         return True
 
     def touch(self, name: str) -> None:
