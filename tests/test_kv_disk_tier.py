@@ -110,7 +110,8 @@ def _finish(llm) -> dict:
 
 
 def _files(directory: Path) -> list[Path]:
-    return sorted(directory.glob("*" + SUFFIX))
+    """The published block files (not a writer's temp files, which glob's "*" also matches)."""
+    return sorted(p for p in directory.glob("*" + SUFFIX) if not p.name.startswith(TEMP_PREFIX))
 
 
 def test_a_restarted_engine_reads_the_tier_bit_for_bit(loaded, reference, tmp_path):
