@@ -21,6 +21,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import ClassVar
 
 SUFFIX = ".kvb"
 TEMP_PREFIX = ".tmp-"
@@ -35,15 +36,15 @@ class KVOffloadConfig:
 
     directory: str
     size: int
+    # The scheduler's failure policy for a load (transfer_hooks.py): a failed tier read is a
+    # miss, recomputed. A class constant, not a field: it is not an option.
+    kv_load_failure_policy: ClassVar[str] = "recompute"
 
     def __post_init__(self) -> None:
         if not isinstance(self.directory, str) or not self.directory:
             raise ValueError(f"kv_offload_dir must be a directory path, got {self.directory!r}")
         if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
             raise ValueError(f"kv_offload_size must be a size like 20GiB, got {self.size!r}")
-
-    # The scheduler's failure policy for a load: a tier read that fails is a miss, recomputed.
-    kv_load_failure_policy = "recompute"
 
 
 def block_file_name(namespace: str, block_hash: bytes) -> str:
