@@ -173,6 +173,8 @@ ROUND_TRIPS = [
     ("distributed_executor_backend", ["--distributed-executor-backend", "ray"], "ray"),
     ("kv_transfer_config", ["--kv-transfer-config", '{"kv_role": "kv_consumer"}'],
      EngineConfig(kv_transfer_config={"kv_role": "kv_consumer"}).kv_transfer_config),
+    ("kv_offload_dir", ["--kv-offload-dir", "/srv/kv"], "/srv/kv"),
+    ("kv_offload_size", ["--kv-offload-size", "20GiB"], 20 << 30),
     ("enable_lora", ["--enable-lora"], True),
     ("lora_modules", ["--lora-modules", "a=/x", "b=/y"], {"a": "/x", "b": "/y"}),
     ("max_loras", ["--max-loras", "2"], 2),

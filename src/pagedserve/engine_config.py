@@ -23,6 +23,7 @@ from .core.scheduler_config import (
 )
 from .core.contiguous_kv import CONTIGUOUS_BACKENDS, KV_LAYOUTS
 from .core.kv_connector import KVTransferConfig
+from .core.kv_disk_index import KVOffloadConfig
 from .core.kv_plan import KV_CACHE_DTYPES
 from .core.request import POOLING_TYPES
 from .core.step_budget import AUTO_ITL_RATIO, LatencyTarget
@@ -157,6 +158,12 @@ class EngineConfig:
     kv_transfer_config: KVTransferConfig | dict | str | None = option(
         None, 'disaggregated prefill/decode as JSON, e.g. \'{"kv_connector": "PagedServeConnector", '
               '"kv_role": "kv_producer", "kv_port": 14579, "lease_seconds": 30}\' (see docs/disaggregated.md)', str)
+    kv_offload_dir: str | None = option(
+        None, "a directory for a second tier of the prefix cache: full blocks of finished requests are written "
+              "there and read back on a prefix miss; it persists across restarts and may be shared by replicas "
+              "of the same model (docs/kv-disk-tier.md); needs --kv-offload-size", str)
+    kv_offload_size: int | None = option(
+        None, "the most bytes the disk tier keeps (e.g. 20GiB); least recently used files go first", parse_memory)
     enable_lora: bool = option(
         False, "serve LoRA adapters (PEFT folders) beside the base model; a request's model names one", bool)
     lora_modules: dict[str, str] | list[str] | None = option(
@@ -174,12 +181,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         """Each option on its own: parsed from its text form and checked against its choices or
         range. Which options go together is `resolve`'s."""
-        if isinstance(self.kv_cache_memory, str):
-            try:
-                self.kv_cache_memory = parse_memory(self.kv_cache_memory)
-            except ValueError:
-                raise ValueError(f"kv_cache_memory must be a size like 2GiB or 512MiB, got {self.kv_cache_memory!r}") \
-                    from None
+        for name in ("kv_cache_memory", "kv_offload_size"):
+            if isinstance(getattr(self, name), str):
+                try:
+                    setattr(self, name, parse_memory(getattr(self, name)))
+                except ValueError:
+                    raise ValueError(f"{name} must be a size like 2GiB or 512MiB, got {getattr(self, name)!r}") \
+                        from None
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
         self.lora_modules = parse_lora_modules(self.lora_modules)
@@ -190,7 +198,7 @@ class EngineConfig:
         for name in ("max_loras", "max_lora_rank", "tensor_parallel_size", "nnodes"):
             require_int(name, getattr(self, name), 1)
         require_int("node_rank", self.node_rank, 0)
-        for name in ("kv_cache_memory", "num_threads", "max_cudagraph_batch"):
+        for name in ("kv_cache_memory", "kv_offload_size", "num_threads", "max_cudagraph_batch"):
             if getattr(self, name) is not None:
                 require_int(name, getattr(self, name), 1)
         if (isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))
@@ -222,6 +230,7 @@ class EngineConfig:
         self._check_parallel(device, loaded_as)
         self._check_node_role(for_worker)
         self._check_kv_layout(device)
+        kv_offload = self._kv_offload()
         self._check_device(device)
         scheduling = self._scheduling(device)
         self._check_lora(device)
@@ -242,7 +251,7 @@ class EngineConfig:
             load=LoadConfig(self.model, quantization, gguf_weights, self.max_model_len),
             device=DeviceConfig(device, kernels, resolve_dtype_name(self.dtype, device), self.attention_backend,
                                 self.enforce_eager, self.max_cudagraph_batch, self.gpu_memory_utilization),
-            kv=KVConfig(self.block_size, kv_cache_memory, kv_cache_dtype, self.kv_layout, prefix_caching),
+            kv=KVConfig(self.block_size, kv_cache_memory, kv_cache_dtype, self.kv_layout, prefix_caching, kv_offload),
             scheduling=scheduling,
             parallel=ParallelConfig(self.tensor_parallel_size, self.nnodes, self.node_rank,
                                     self.distributed_init_method, self.distributed_executor_backend,
@@ -264,6 +273,8 @@ class EngineConfig:
             max_cudagraph_batch=device.max_cudagraph_batch, gpu_memory_utilization=device.gpu_memory_utilization,
             block_size=kv.block_size, kv_cache_memory=kv.kv_cache_memory, kv_cache_dtype=kv.kv_cache_dtype,
             kv_layout=kv.kv_layout, enable_prefix_caching=kv.enable_prefix_caching,
+            kv_offload_dir=kv.offload.directory if kv.offload is not None else None,
+            kv_offload_size=kv.offload.size if kv.offload is not None else None,
             max_num_seqs=scheduling.max_num_seqs, max_num_batched_tokens=scheduling.max_num_batched_tokens,
             itl_target_ms=scheduling.itl_target_ms, ttft_target_ms=scheduling.ttft_target_ms,
             enable_chunked_prefill=scheduling.enable_chunked_prefill,
@@ -354,6 +365,31 @@ class EngineConfig:
         if spec is not None and spec.method == "draft_model":
             raise ValueError("speculative_config method 'draft_model' needs kv_layout='paged' (its scratch blocks "
                              "are paged); use method 'ngram' with the contiguous layout")
+
+    def _kv_offload(self) -> KVOffloadConfig | None:
+        """The disk tier: a second level of the paged prefix cache, written and read as a KV connector."""
+        if self.kv_offload_dir is None:
+            if self.kv_offload_size is not None:
+                raise ValueError("kv_offload_size needs kv_offload_dir")
+            return None
+        if self.kv_offload_size is None:
+            raise ValueError("kv_offload_dir needs kv_offload_size (e.g. 20GiB)")
+        if self.kv_layout != "paged":
+            raise ValueError("kv_offload_dir needs kv_layout='paged': the disk tier stores prefix-cache blocks, "
+                             "and the contiguous layout has none")
+        if self.enable_prefix_caching is False:
+            raise ValueError("kv_offload_dir needs enable_prefix_caching: the disk tier is the prefix cache's "
+                             "second level")
+        if self.kv_transfer_config is not None:
+            raise ValueError("kv_offload_dir is not supported with kv_transfer_config (one KV connector per engine)")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("kv_offload_dir is not supported with tensor_parallel_size > 1 (each rank holds a "
+                             "share of every block)")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            raise ValueError("kv_offload_dir is not supported with speculative_config method 'draft_model' (the "
+                             "tier stores the target's KV only); use method 'ngram'")
+        return KVOffloadConfig(self.kv_offload_dir, self.kv_offload_size)
 
     def _check_device(self, device: str) -> None:
         if self.quantization not in ("auto", "none", "fp8") and self.kernels == "torch":

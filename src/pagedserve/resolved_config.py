@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 from .core.kv_connector import KVTransferConfig
+from .core.kv_disk_index import KVOffloadConfig
 from .core.scheduler_config import CacheConfig, SchedulerConfig, whole_prompt_budget
 from .core.step_budget import LatencyTarget
 from .spec_decode.spec_config import SpeculativeConfig
@@ -60,13 +61,14 @@ class DeviceConfig:
 
 @dataclass(frozen=True)
 class KVConfig:
-    """The KV cache: its layout, element type, block size and memory."""
+    """The KV cache: its layout, element type, block size and memory, and its disk tier."""
 
     block_size: int
     kv_cache_memory: int | None  # on cpu always set (default_kv_cache_memory); None on cuda: the memory plan's pool
     kv_cache_dtype: str  # auto (the model's dtype), fp32, fp16, fp8_e4m3 or fp8_e5m2
     kv_layout: str  # paged or contiguous
     enable_prefix_caching: bool
+    offload: KVOffloadConfig | None = None  # the disk tier (--kv-offload-dir), paged layout only
 
     def cache_config(self, num_blocks: int) -> CacheConfig:
         return CacheConfig(num_blocks=num_blocks, block_size=self.block_size,

@@ -370,7 +370,7 @@ class Scheduler:
         for req in freed:
             self.kv_cache.free(req)
         updates = []
-        for req, outcome in outcomes:
+        for req, outcome, loaded_end in outcomes:
             if outcome is LoadOutcome.ENDED:  # it ended while the load was writing its blocks
                 self._release(req)
                 continue
@@ -381,9 +381,9 @@ class Scheduler:
                 updates.append(RequestUpdate(req, [], ABORTED))
                 continue
             if outcome is LoadOutcome.LOADED:
-                req.num_computed_tokens = req.num_prompt_tokens - 1
+                req.num_computed_tokens = loaded_end
                 self.kv_cache.cache_blocks(req, req.num_computed_tokens)
-            # It runs from its computed tokens: the prompt's last one after a load, the
+            # It runs from its computed tokens: the first one the load did not bring, the
             # local prefix hit after a failed one (whose blocks are then written again).
             req.status = RUNNING
             self.running.append(req)

@@ -21,7 +21,7 @@ class LoadOutcome(Enum):
     """What the scheduler does with a request whose load the worker reported."""
 
     ENDED = "ended"  # it finished or was aborted while loading: release its blocks now
-    LOADED = "loaded"  # its prompt's KV arrived: run from the prompt's last token
+    LOADED = "loaded"  # its KV arrived: run from the tokens after it
     RECOMPUTE = "recompute"  # the load failed: run from the local prefix hit
     FAIL = "fail"  # the load failed and kv_load_failure_policy is "fail"
 
@@ -44,7 +44,8 @@ class NoTransfers:
     def release(self, request: Request, block_ids: Sequence[int]) -> bool:
         return False
 
-    def worker_report(self, output: KVConnectorOutput) -> tuple[list[Request], list[tuple[Request, LoadOutcome]]]:
+    def worker_report(self, output: KVConnectorOutput) \
+            -> tuple[list[Request], list[tuple[Request, LoadOutcome, int]]]:
         return [], []
 
     def metadata(self) -> object | None:
@@ -70,6 +71,8 @@ class TransferHooks:
         # reader may still pull.
         self.loading: dict[str, Request] = {}
         self.held: dict[str, Request] = {}
+        # Where each load in flight leaves the request's computed tokens once it arrives.
+        self._load_ends: dict[str, int] = {}
 
     def validate(self, request: Request) -> None:
         self.connector.validate_request(request)
@@ -81,6 +84,7 @@ class TransferHooks:
 
     def start_loading(self, request: Request, block_ids: Sequence[int], num_external: int) -> None:
         self.loading[request.request_id] = request
+        self._load_ends[request.request_id] = request.num_computed_tokens + num_external
         self.connector.update_state_after_alloc(request, block_ids, num_external)
 
     def release(self, request: Request, block_ids: Sequence[int]) -> bool:
@@ -91,9 +95,11 @@ class TransferHooks:
             self.held[request.request_id] = request
         return delay_free
 
-    def worker_report(self, output: KVConnectorOutput) -> tuple[list[Request], list[tuple[Request, LoadOutcome]]]:
+    def worker_report(self, output: KVConnectorOutput) \
+            -> tuple[list[Request], list[tuple[Request, LoadOutcome, int]]]:
         """The requests whose held blocks may be freed now, and each reported load's
-        outcome, in the worker's order (done loads first)."""
+        outcome with the computed tokens a done load leaves, in the worker's order (done
+        loads first)."""
         freed = []
         for rid in output.finished_sending:
             req = self.held.pop(rid, None)
@@ -106,14 +112,15 @@ class TransferHooks:
             if req is None:
                 continue
             self.connector.load_finished(rid)
+            end = self._load_ends.pop(rid)
             if req.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
-                outcomes.append((req, LoadOutcome.ENDED))
+                outcomes.append((req, LoadOutcome.ENDED, end))
             elif rid in output.finished_recving:
-                outcomes.append((req, LoadOutcome.LOADED))
+                outcomes.append((req, LoadOutcome.LOADED, end))
             elif self.connector.config.kv_load_failure_policy == "fail":
-                outcomes.append((req, LoadOutcome.FAIL))
+                outcomes.append((req, LoadOutcome.FAIL, end))
             else:
-                outcomes.append((req, LoadOutcome.RECOMPUTE))
+                outcomes.append((req, LoadOutcome.RECOMPUTE, end))
         return freed, outcomes
 
     def metadata(self) -> object | None:

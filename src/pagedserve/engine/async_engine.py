@@ -78,7 +78,7 @@ class EngineSnapshot:
     spec_decode: SpecDecodeStats | None = None
     # Which kernel path runs ("native" or "torch"; "" before the first snapshot).
     kernels: str = ""
-    # KV-transfer counters (kv_transfer_*); None without a KV connector.
+    # The KV connector's counters (kv_transfer_*, or the disk tier's kv_disk_*); None without one.
     kv_transfer: dict[str, int] | None = None
     time: float = field(default_factory=time.monotonic)
 

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.selector import default_backend_name
+from ..core.kv_connector import KVConnectorScheduler
+from ..core.kv_disk_index import DiskIndex
+from ..core.kv_disk_tier import DiskTierScheduler
 from ..core.kv_plan import KVCachePlan, plan_kv_cache
 from ..core.pd_connector import PagedServeConnectorScheduler
 from ..core.scheduler import Scheduler
@@ -21,6 +24,7 @@ from ..core.scheduler_config import CPU_DEFAULT_MAX_NUM_BATCHED_TOKENS, CacheCon
 from ..core.step_budget import PromptSupply, StepBudget
 from ..distributed.executor import TensorParallelExecutor
 from ..kv_transfer.base import KVConnectorWorker
+from ..kv_transfer.disk_tier_worker import DiskTierWorker
 from ..kv_transfer.factory import make_kv_connector_worker
 from ..model.device import torch_dtype
 from ..model.loader import LoadedModel
@@ -35,6 +39,7 @@ from ..worker.contiguous_kv_memory import ContiguousKVStore, build_contiguous_kv
 from ..worker.draft_model import draft_kv, load_draft
 from ..worker.model_runner import ModelRunner
 from .device_memory import device_memory_plan, kv_dtype_bytes
+from .kv_offload_key import offload_namespace
 from .lora_registry import LoRARegistry
 from .step_timing import step_time_model
 
@@ -119,10 +124,15 @@ def _contiguous_kv(kv: KVConfig, scheduling: SchedulingConfig, loaded: LoadedMod
                                scheduling.max_num_seqs, kv.kv_cache_dtype)
 
 
-def _kv_connector(serving: ServingConfig, kv: KVConfig) \
-        -> tuple[KVConnectorWorker | None, PagedServeConnectorScheduler | None]:
-    """The disaggregated-prefill connector's worker and scheduler sides, or neither."""
-    kv_transfer = serving.kv_transfer_config
+def _kv_connector(config: ResolvedConfig, loaded: LoadedModel) \
+        -> tuple[KVConnectorWorker | None, KVConnectorScheduler | None]:
+    """The disaggregated-prefill connector's or the disk tier's worker and scheduler sides, or neither."""
+    kv = config.kv
+    if kv.offload is not None:
+        namespace = offload_namespace(config, loaded)
+        index = DiskIndex(kv.offload.directory, kv.offload.size)
+        return DiskTierWorker(index, namespace), DiskTierScheduler(kv.offload, index, namespace, kv.block_size)
+    kv_transfer = config.serving.kv_transfer_config
     if kv_transfer is None:
         return None, None
     worker = make_kv_connector_worker(kv_transfer)
@@ -190,7 +200,7 @@ WIRING: tuple[Row, ...] = (
     Row(("lora_slots",), ("lora", "device"), ("loaded",), _lora_slots),
     Row(("cache_config",), ("kv",), ("kv_plan",), lambda kv, plan: kv.cache_config(plan.num_blocks)),
     Row(("kv_store", "kv_manager"), ("kv", "scheduling"), ("loaded", "cache_config", "max_model_len"), _contiguous_kv),
-    Row(("kv_connector", "connector_scheduler"), ("serving", "kv"), (), _kv_connector),
+    Row(("kv_connector", "connector_scheduler"), ("config",), ("loaded",), _kv_connector),
     Row(("step_budget",), ("scheduling",), ("loaded", "scheduler_config"), _step_budget),
     Row(("scheduler",), (), ("scheduler_config", "cache_config", "step_budget", "connector_scheduler", "kv_manager"),
         lambda sched, cache, budget, connector, kv: Scheduler(sched, cache, budget, connector, kv_cache=kv)),

@@ -57,7 +57,7 @@ class EngineStats:
     kernels: str
     # A copy of the acceptance counters; None without speculative decoding.
     spec_decode: SpecDecodeStats | None = None
-    # KV-transfer counters by name (kv_transfer_*); None without a KV connector.
+    # The KV connector's counters by name (kv_transfer_*, or the disk tier's kv_disk_*); None without one.
     kv_transfer: dict[str, int] | None = None
 
     def as_dict(self) -> dict:

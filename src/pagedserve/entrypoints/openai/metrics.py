@@ -22,6 +22,7 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 _ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 _REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+_GAUGES = frozenset({"kv_disk_files", "kv_disk_bytes", "kv_disk_capacity_bytes", "kv_disk_writes_disabled"})
 
 
 class _EngineCollector(Collector):
@@ -56,12 +57,20 @@ class _EngineCollector(Collector):
         if snap.spec_decode is not None:
             yield from self._spec_decode(snap.spec_decode)
         for name, value in (snap.kv_transfer or {}).items():
-            # Held and loading counts go up and down; the rest only count up.
-            family = GaugeMetricFamily if "_held_" in name or "_loading_" in name else CounterMetricFamily
-            metric = family(PREFIX + name, "KV transfer (disaggregated prefill/decode): " + name[12:].replace("_", " "),
-                            labels=["model_name"])
-            metric.add_metric([self._model], value)
-            yield metric
+            yield self._connector_metric(name, value)
+
+    def _connector_metric(self, name: str, value: int) -> Metric:
+        """A KV connector's entry: the P/D connector's kv_transfer_*, the disk tier's kv_disk_*."""
+        if name == "kv_disk_read_microseconds":  # Prometheus counts time in seconds
+            name, value = "kv_disk_read_seconds", value / 1e6
+        # Held, loading and the disk tier's size go up and down; the rest only count up.
+        family = GaugeMetricFamily if name in _GAUGES or "_held_" in name or "_loading_" in name \
+            else CounterMetricFamily
+        what = ("KV disk tier: " + name[8:] if name.startswith("kv_disk_")
+                else "KV transfer (disaggregated prefill/decode): " + name[12:])
+        metric = family(PREFIX + name, what.replace("_", " "), labels=["model_name"])
+        metric.add_metric([self._model], value)
+        return metric
 
     def _spec_decode(self, spec: SpecDecodeStats) -> Iterator[Metric]:
         for name, doc, value in (
