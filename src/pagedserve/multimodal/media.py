@@ -76,14 +76,20 @@ def split_data_url(url: str, limits: ImageLimits) -> tuple[str, bytes]:
         raise ValueError("a data: URL must look like data:<media type>;base64,<data>")
     if "base64" not in [p.strip().lower() for p in match["params"].split(";")]:
         raise ValueError("a data: URL must be base64-encoded (data:<media type>;base64,<data>)")
-    return match["type"], decode_base64(url[match.end():], limits)
+    # Measured before it is sliced out: refusing a huge URL copies none of it.
+    _check_base64_length(len(url) - match.end(), limits)
+    return match["type"], _decode_base64(url[match.end():], limits)
 
 
-def decode_base64(text: str, limits: ImageLimits) -> bytes:
-    """Base64 image data (standard alphabet, padded), refused by its length before decoding."""
-    if len(text) > limits.max_base64_chars:
-        raise ValueError(f"the image's base64 data is {len(text)} characters, over the limit of "
+def _check_base64_length(length: int, limits: ImageLimits) -> None:
+    if length > limits.max_base64_chars:
+        raise ValueError(f"the image's base64 data is {length} characters, over the limit of "
                          f"{limits.max_base64_chars} ({limits.max_bytes} bytes)")
+
+
+def _decode_base64(text: str, limits: ImageLimits) -> bytes:
+    """Base64 image data (standard alphabet, padded), refused by its length before decoding."""
+    _check_base64_length(len(text), limits)
     try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
