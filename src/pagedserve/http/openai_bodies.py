@@ -167,7 +167,8 @@ ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
 
 class ChatMessage(StrictModel):
     role: str = Field(min_length=1, description="system, user, assistant, or another role the chat template knows.")
-    content: str | list[ContentPart] | None = Field(
+    # The list first: its errors (a part of an unknown type, a bad image_url) are the ones worth reporting.
+    content: list[ContentPart] | str | None = Field(
         None, description="Text, or text and image_url parts (images need a vision model; at most "
                           "--limit-mm-per-prompt per request).")
     name: str | None = None

@@ -218,7 +218,11 @@ class ResponsesServing(ChatServing):
             "truncation": "disabled", "error": None, "incomplete_details": None, "reasoning": req.reasoning,
         }
         with self.admission.admit(1) as seat:
-            started = await self.submit(chat, params, plan, response_id, arrival, seat)
+            try:
+                started = await self.submit(chat, params, plan, response_id, arrival, seat)
+            except APIError as e:  # the images', the context's: named as the Responses fields
+                e.param = _PARAMS.get(e.param or "", e.param)
+                raise
             tracker = ChoiceTracker([response_id], 1, started.num_prompt_tokens, keep_output=True)
             if req.stream:
                 parser = ReplyParser(started.reasoning, plan.tools.parser)
