@@ -57,10 +57,30 @@ def test_text_parts_are_joined(tokenizer):
     assert tokenizer.apply_chat_template(parts) == tokenizer.apply_chat_template(plain)
 
 
+IMAGE_AND_TEXT = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}},
+                                                {"type": "text", "text": "What is this?"}]}]
+
+
 def test_non_text_part_is_rejected(tokenizer):
-    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
-    with pytest.raises(ValueError, match=r"messages\[0\].content parts must be .*'image_url'"):
-        tokenizer.apply_chat_template(image)
+    audio = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}]
+    with pytest.raises(ValueError, match=r"messages\[0\].content parts must be .*'input_audio'"):
+        tokenizer.apply_chat_template(audio)
+    with pytest.raises(ValueError, match=r"messages\[0\].content has an image part, but this model does not accept"):
+        tokenizer.apply_chat_template(IMAGE_AND_TEXT)
+
+
+def test_image_parts_become_the_placeholder_in_joined_text(tokenizer):
+    text = tokenizer.apply_chat_template(IMAGE_AND_TEXT, image_placeholder="<image>")
+    assert text == tokenizer.apply_chat_template([{"role": "user", "content": "<image>\nWhat is this?"}])
+
+
+def test_a_template_that_renders_image_parts_gets_them():
+    # Idefics3's way: the template itself writes what an image part is.
+    source = ("{% for m in messages %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>"
+              "{% else %}[{{ p['text'] }}]{% endif %}{% endfor %}{% endfor %}")
+    template = ChatTemplate(source)
+    assert template.takes_image_parts
+    assert template.render(IMAGE_AND_TEXT, image_placeholder="<image>") == "<image>[What is this?]"
 
 
 @pytest.mark.parametrize(

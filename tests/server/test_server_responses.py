@@ -81,7 +81,7 @@ def test_function_call_and_its_output(client, model, http, stream):
     ({"previous_response_id": "resp_123"}, "previous_response_id", "stores no responses"),
     ({"input": []}, "input", "non-empty"),
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input", "not supported"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "input_text"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]}, "input", "input_text"),
     ({"tools": [{"type": "web_search"}]}, "tools", "not supported"),
     ({"tools": [{**WEATHER_TOOL, "parameters": {"type": "objekt"}}]}, "tools", "objekt"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "schema"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -24,6 +24,7 @@ from ..engine_config import EngineConfig
 from ..kernels import kernel_report
 from ..kv_transfer.base import KVConnectorWorker
 from ..model.loader import LoadedModel, load_model
+from ..multimodal.inputs import ImageInput
 from ..outputs import Logprob, RequestDelta, RequestMetrics, SampleDelta, TokenLogprobs
 from ..pooling_params import PoolingParams
 from ..resolved_config import ResolvedConfig
@@ -197,6 +198,12 @@ class LLMEngine:
 
     # -- requests in -------------------------------------------------------------------
 
+    @property
+    def vision(self) -> None:
+        """None: the loaded model takes no images (a vision model's engine answers its image
+        placeholder and `tokens_per_image`)."""
+        return None
+
     def add_request(
         self,
         prompt: str | list[int],
@@ -207,9 +214,13 @@ class LLMEngine:
         arrival_time: float | None = None,
         kv_transfer_params: dict | None = None,
         lora_name: str | None = None,
+        images: Sequence[ImageInput] = (),
     ) -> str:
         """Validate, tokenize and queue a request; raise ValueError if it can never run.
-        `lora_name` runs it under that loaded LoRA adapter (None: the base model)."""
+        `lora_name` runs it under that loaded LoRA adapter (None: the base model);
+        `images` go where the prompt holds `vision.placeholder`, one each, in order."""
+        if images:
+            raise ValueError(f"images: the model {self.loaded.name!r} does not accept images")
         params = params or SamplingParams()
         self.check_task("generate")
         lora_id = self._lora(lora_name).lora_id if lora_name is not None else 0

@@ -26,6 +26,25 @@ class TextBlockParam(StrictModel):
     text: str
 
 
+class Base64ImageSource(StrictModel):
+    type: Literal["base64"]
+    media_type: str = Field(description="image/png, image/jpeg, image/gif, image/webp or image/bmp; the data "
+                                        "must be of that format.")
+    data: str = Field(description="The image's bytes, base64.")
+
+
+class URLImageSource(StrictModel):
+    type: Literal["url"]
+    url: str = Field(min_length=1, description="An http(s) URL on a host --allowed-media-domains lists.")
+
+
+class ImageBlockParam(StrictModel):
+    """An image in a user turn (docs/images.md); needs a vision model."""
+
+    type: Literal["image"]
+    source: Annotated[Base64ImageSource | URLImageSource, Field(discriminator="type")]
+
+
 class ToolUseBlockParam(StrictModel):
     """A call the assistant made, sent back in an assistant turn."""
 
@@ -57,8 +76,8 @@ class RedactedThinkingBlockParam(StrictModel):
     data: str
 
 
-ContentBlockParam = Annotated[TextBlockParam | ToolUseBlockParam | ToolResultBlockParam | ThinkingBlockParam
-                              | RedactedThinkingBlockParam, Field(discriminator="type")]
+ContentBlockParam = Annotated[TextBlockParam | ImageBlockParam | ToolUseBlockParam | ToolResultBlockParam
+                              | ThinkingBlockParam | RedactedThinkingBlockParam, Field(discriminator="type")]
 
 
 class MessageParam(StrictModel):

@@ -150,9 +150,27 @@ class TextPart(StrictModel):
     text: str
 
 
+class ImageURL(StrictModel):
+    url: str = Field(min_length=1, description="A data: URL (base64), or an http(s) URL on a host "
+                                               "--allowed-media-domains lists (docs/images.md).")
+    detail: Literal["auto", "low", "high"] | None = Field(
+        None, description="Accepted; the model's image processor decides the resolution either way.")
+
+
+class ImageURLPart(StrictModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+
+
 class ChatMessage(StrictModel):
     role: str = Field(min_length=1, description="system, user, assistant, or another role the chat template knows.")
-    content: str | list[TextPart] | None = None
+    # The list first: its errors (a part of an unknown type, a bad image_url) are the ones worth reporting.
+    content: list[ContentPart] | str | None = Field(
+        None, description="Text, or text and image_url parts (images need a vision model; at most "
+                          "--limit-mm-per-prompt per request).")
     name: str | None = None
     tool_calls: list[Any] | None = None  # an assistant's calls, checked when rendering (tools.py)
     tool_call_id: str | None = None  # a tool result's call

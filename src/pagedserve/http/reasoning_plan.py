@@ -17,7 +17,8 @@ from .reasoning_parsers import Encode, PromptReasoning, ReasoningFormat
 EFFORT_BUDGETS = {"low": 1024, "medium": 4096, "high": 16384}
 # The variables the server gives a template (and the renderer's own argument names): a
 # request's chat_template_kwargs may not replace them.
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "self"})
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "self",
+                                      "image_placeholder"})
 
 
 @dataclass(frozen=True, slots=True)

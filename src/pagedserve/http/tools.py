@@ -147,10 +147,11 @@ def tool_chat_tokenizer(tokenizer: Tokenizer, tool_parser: ToolParser | None) ->
 
 def render_chat_text(tokenizer: Tokenizer, tool_tokenizer: Tokenizer, messages: list[dict[str, Any]],
                      add_generation_prompt: bool, tools: list[dict[str, Any]] | None,
-                     template_kwargs: dict[str, Any] | None = None) -> str:
+                     template_kwargs: dict[str, Any] | None = None, image_placeholder: str | None = None) -> str:
     """The prompt text of a conversation (the router renders it the same way to find
     which replica caches it); ValueError if the template refuses the messages.
-    `template_kwargs`: the request's chat_template_kwargs (enable_thinking, ...)."""
+    `template_kwargs`: the request's chat_template_kwargs (enable_thinking, ...);
+    `image_placeholder`: the vision model's text for an image part (None: none accepted)."""
     chosen = tool_tokenizer if tools or uses_tools(messages) else tokenizer
     return chosen.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                      **(template_kwargs or {}))
+                                      image_placeholder=image_placeholder, **(template_kwargs or {}))

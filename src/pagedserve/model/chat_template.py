@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -104,24 +105,43 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-def _message_text(content: Any, index: int) -> Any:
-    """OpenAI content parts -> one string; a string (or None) passes through."""
+_IMAGE_PARTS = frozenset({"image_url", "image"})
+# A template that compares a part's type with 'image' renders image parts itself (Idefics3's
+# `{% elif line['type'] == 'image' %}`); any other gets the parts joined into text.
+_TAKES_IMAGE_PARTS = re.compile(r"""['"]image['"]""")
+
+
+def _message_content(content: Any, index: int, image_placeholder: str | None, image_parts: bool) -> Any:
+    """OpenAI content parts -> one string, each image part its `image_placeholder`; or, for
+    a template that renders image parts (`image_parts`), the parts with each image as
+    {"type": "image"}. A string (or None) passes through."""
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise ValueError(f"messages[{index}].content must be a string, null or a list of parts")
-    texts = []
+    pieces: list[dict[str, str]] = []
     for part in content:
-        if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-            raise ValueError(f"messages[{index}].content parts must be {{'type': 'text', 'text': str}}, got {kind!r}")
-        texts.append(part["text"])
+        kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+        if kind in _IMAGE_PARTS:
+            if image_placeholder is None:
+                raise ValueError(f"messages[{index}].content has an image part, but this model does not accept "
+                                 "images")
+            pieces.append({"type": "image"})
+        elif kind == "text" and isinstance(part.get("text"), str):
+            pieces.append({"type": "text", "text": part["text"]})
+        else:
+            raise ValueError(f"messages[{index}].content parts must be {{'type': 'text', 'text': str}} or image "
+                             f"parts, got {kind!r}")
+    if image_parts:
+        return pieces
     # Newline between parts, as vLLM joins them for text-only templates.
-    return "\n".join(texts)
+    return "\n".join(p["text"] if p["type"] == "text" else image_placeholder for p in pieces)
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Copies of `messages` with list contents joined; every other key passes through."""
+def normalize_messages(messages: Sequence[Mapping[str, Any]], image_placeholder: str | None = None,
+                       image_parts: bool = False) -> list[dict[str, Any]]:
+    """Copies of `messages` with list contents joined (see `_message_content`); every
+    other key passes through."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': str, 'content': ...} dicts")
     out = []
@@ -130,7 +150,7 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
             raise ValueError(f"messages[{index}] must be a dict with a string 'role'")
         copy = dict(message)
         if "content" in copy:
-            copy["content"] = _message_text(copy["content"], index)
+            copy["content"] = _message_content(copy["content"], index, image_placeholder, image_parts)
         out.append(copy)
     return out
 
@@ -147,6 +167,7 @@ class ChatTemplate:
             raise ValueError(f"chat template does not compile: {exc} (line {exc.lineno})") from exc
         # bos_token, eos_token, ... as the template sees them (HF passes these too).
         self._special_tokens = dict(special_tokens or {})
+        self.takes_image_parts = bool(_TAKES_IMAGE_PARTS.search(source))
 
     def render(
         self,
@@ -155,15 +176,19 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
         documents: Sequence[Mapping[str, Any]] | None = None,
+        image_placeholder: str | None = None,
         **template_kwargs: Any,
     ) -> str:
-        """The prompt text for `messages`; a template's `raise_exception` surfaces as ValueError."""
+        """The prompt text for `messages`; a template's `raise_exception` surfaces as ValueError.
+        `image_placeholder`: what an image part becomes (None: image parts are refused)."""
         if tools is not None and not all(isinstance(tool, Mapping) for tool in tools):
             raise ValueError("tools must be a list of JSON-schema dicts")
         context = {
             **self._special_tokens,
             **template_kwargs,
-            "messages": normalize_messages(messages),
+            # Parts pass through only for a vision model: text-only serving keeps joined text.
+            "messages": normalize_messages(messages, image_placeholder,
+                                           self.takes_image_parts and image_placeholder is not None),
             "tools": list(tools) if tools is not None else None,
             "documents": list(documents) if documents is not None else None,
             "add_generation_prompt": add_generation_prompt,

@@ -305,9 +305,11 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        image_placeholder: str | None = None,
         **template_kwargs: Any,
     ) -> str:
-        """Render OpenAI-style `messages` with the model's template (see `ChatTemplate`)."""
+        """Render OpenAI-style `messages` with the model's template (see `ChatTemplate`);
+        image parts become `image_placeholder` (None: they are refused)."""
         if self._chat_template is None:
             if self._chat_template_source is None:
                 raise ValueError(
@@ -322,7 +324,8 @@ class Tokenizer:
                 },
             )
         return self._chat_template.render(
-            messages, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
+            messages, add_generation_prompt=add_generation_prompt, tools=tools,
+            image_placeholder=image_placeholder, **template_kwargs
         )
 
 

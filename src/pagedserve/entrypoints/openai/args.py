@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from ...engine_config import EngineConfig, parse_memory
 from ...http.bounds import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_HEADER_BYTES
+from ...http.chat_images import DEFAULT_IMAGES_PER_PROMPT, ImagePolicy, check_mm_limits, parse_mm_limits
+from ...http.media_fetch import normalize_domains
 from ...http.middleware import API_KEY_ENV
 from ...http.reasoning_parsers import REASONING_PARSERS, ReasoningFormat, detect_reasoning_parser
 from ...http.tool_parsers import TOOL_PARSERS
@@ -39,8 +41,13 @@ class ServerConfig:
     disable_uvicorn_access_log: bool = False
     dashboard: bool = True
     dashboard_show_prompts: bool = False
+    # Images per prompt ({"image": n}) and the hosts image URLs may name (docs/images.md).
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": DEFAULT_IMAGES_PER_PROMPT})
+    allowed_media_domains: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        check_mm_limits(self.limit_mm_per_prompt)
+        normalize_domains(self.allowed_media_domains)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         for name in ("max_queued_requests", "max_n", "max_request_body_size", "max_header_size"):
@@ -62,6 +69,10 @@ class ServerConfig:
         if self.api_key is not None and self.api_keys is not None:
             raise ValueError(f"--api-key (or {API_KEY_ENV}) and --api-keys do not go together: list the key in the "
                              "keys file under a tenant")
+
+    def image_policy(self) -> ImagePolicy:
+        return ImagePolicy(max_images=self.limit_mm_per_prompt.get("image", DEFAULT_IMAGES_PER_PROMPT),
+                           allowed_domains=normalize_domains(self.allowed_media_domains))
 
     def describe(self) -> dict:
         """The effective configuration, safe to print: the API key is never shown."""
@@ -110,7 +121,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="do not serve the live engine page at /dashboard")
     g.add_argument("--dashboard-show-prompts", action="store_true",
                    help="show the start of each request's prompt on /dashboard (off: ids and token counts only)")
+    g.add_argument("--limit-mm-per-prompt", type=_mm_limits, default=d.limit_mm_per_prompt,
+                   help=f"images one prompt may hold, as image=N or JSON {{\"image\": N}} (default "
+                        f"{DEFAULT_IMAGES_PER_PROMPT}; docs/images.md)")
+    g.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
+                   help="hosts whose http(s) image URLs the server fetches (default: none, only data: URLs); a "
+                        "name resolving to a private or loopback address is refused unless listed as that IP")
     EngineConfig.add_cli_args(parser)
+
+
+def _mm_limits(text: str) -> dict[str, int]:
+    try:
+        return parse_mm_limits(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def server_reasoning_parser(name: str | None, chat_template: str | None) -> ReasoningFormat | None:

@@ -94,7 +94,7 @@ def _server_parts(engine: LLMEngine, config: ServerConfig) -> ServerParts:
     context = ServingContext(
         async_engine, Admission(async_engine, config.max_queued_requests), limits,
         ServedModels(model_names, engine.list_loras()),
-        ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="pagedserve-tokenize"))
+        ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="pagedserve-tokenize"), config.image_policy())
     tool_parser = TOOL_PARSERS[config.tool_call_parser] if config.tool_call_parser else None
     return ServerParts(context, config, metrics, model_names, tool_parser,
                        server_reasoning_parser(config.reasoning_parser, engine.tokenizer.chat_template))

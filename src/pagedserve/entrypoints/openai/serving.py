@@ -18,10 +18,13 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ...engine.async_engine import AsyncEngine, EngineCrashedError, EngineDeadError, GenerationRequest, RequestStream
+from ...http.chat_images import ImageLoader, ImagePolicy, image_parts
 from ...http.disconnect import sse
 from ...http.errors import APIError
 from ...http.json_body import M, parse_body
+from ...http.openai_bodies import ChatMessage
 from ...http.tenants import TenantState, current_tenant
+from ...multimodal.inputs import ImageInput
 from ...outputs import RequestDelta, SampleDelta, TokenLogprobs
 from ...sampling_params import SamplingParams
 from .protocol import RequestLimits, bad_request
@@ -236,6 +239,7 @@ class ServingContext:
     limits: RequestLimits
     models: ServedModels
     executor: Executor  # the tokenizer threads
+    media: ImagePolicy = ImagePolicy()  # --limit-mm-per-prompt, --allowed-media-domains
 
 
 class OpenAIServing:
@@ -246,6 +250,7 @@ class OpenAIServing:
         self.models = context.models
         self.tokenizer = context.engine.engine.tokenizer
         self._executor = context.executor
+        self.images = ImageLoader(context.media, context.engine.engine.vision, self.encode_marker)
 
     async def read_request(self, request: Request, model: type[M], id_prefix: str) -> tuple[float, M, ResponseMeta]:
         """The arrival time, the parsed body and the response's id/created/model."""
@@ -269,6 +274,15 @@ class OpenAIServing:
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run CPU work (tokenising, template rendering) in the pool, not on the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def load_images(self, messages: Sequence[ChatMessage], model: str | None) -> list[ImageInput]:
+        """The messages' images decoded (fetching and decoding in the pool), after the cheap
+        checks: the model `model` (as the request named it) takes images, and not this many."""
+        parts = image_parts(messages)
+        if not parts:
+            return []
+        self.images.check(parts, self.resolve_model(model))
+        return await self.off_loop(self.images.load, parts)
 
     async def compile_constraint(self, params: SamplingParams, param: str | None) -> None:
         """Compile the request's structured-output constraint in the pool (the engine

@@ -84,13 +84,15 @@ class ChatServing(OpenAIServing):
 
     async def submit(self, req: ChatCompletionRequest, params: SamplingParams, plan: ChatPlan, request_id: str,
                      arrival: float, seat: Seat, prefill: str = "") -> Started:
-        """Render, check the context and start generating."""
+        """Load the images, render, check the context and start generating."""
+        images = await self.load_images(req.messages, req.model)
         text, prompt_ids = await self.off_loop(self.render_prompt, template_messages(req.messages), True,
                                                plan.tools.tools, prefill, plan.reasoning.template_kwargs)
+        num_prompt_tokens = self.images.prompt_tokens(text, prompt_ids, images)
         tools = plan.tools
         await self.compile_constraint(params, structured_output_param(req) if tools.constraint is None else "tools")
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = self.room_for_output(len(prompt_ids), params.max_tokens, prompt_param="messages",
+        max_tokens = self.room_for_output(num_prompt_tokens, params.max_tokens, prompt_param="messages",
                                           max_tokens_param=param)
         if max_tokens != params.max_tokens:
             try:
@@ -101,9 +103,9 @@ class ChatServing(OpenAIServing):
         params = plan.reasoning.apply(params, reasoning, self.encode_marker, split_reply=True)
         stream = await self.start(seat, [
             GenerationRequest(request_id, prompt_ids, params, arrival, req.priority, req.cache_salt,
-                              req.kv_transfer_params, self.lora_of(req.model))
+                              req.kv_transfer_params, self.lora_of(req.model), images=tuple(images))
         ])
-        return Started(stream, params, len(prompt_ids), reasoning)
+        return Started(stream, params, num_prompt_tokens, reasoning)
 
     def plan_tools(self, req: ChatCompletionRequest) -> ToolPlan:
         """The request's tools checked (schemas compiled: CPU work, run in the pool)."""
@@ -111,12 +113,6 @@ class ChatServing(OpenAIServing):
             self.engine.engine.structured_outputs.compile(constraint)
 
         return plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser, check)
-
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None, prefill: str = "",
-               template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """The prompt's token ids (see `render_prompt`)."""
-        return self.render_prompt(messages, add_generation_prompt, tools, prefill, template_kwargs)[1]
 
     def render_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                       tools: list[dict[str, Any]] | None = None, prefill: str = "",
@@ -127,7 +123,7 @@ class ChatServing(OpenAIServing):
         the request's chat_template_kwargs."""
         try:
             text = render_chat_text(self.tokenizer, self._tool_tokenizer, messages, add_generation_prompt, tools,
-                                    template_kwargs)
+                                    template_kwargs, self.images.placeholder)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         text += prefill

@@ -24,9 +24,10 @@ from starlette.responses import JSONResponse, Response
 
 from ...engine.async_engine import EngineDeadError, RequestStream
 from ...http.anthropic_bodies import STREAM_EVENTS, AnthropicErrorResponse, ContentBlockParam, CountTokensRequest, \
-    CountTokensResponse, Message, MessagesPrompt, MessagesRequest, OutputConfig, RedactedThinkingBlockParam, \
-    TextBlockParam, ThinkingBlockParam, ThinkingConfigDisabled, ThinkingConfigEnabled, ToolChoice, ToolChoiceAny, \
-    ToolChoiceNone, ToolChoiceTool, ToolParam, ToolResultBlockParam, ToolUseBlockParam
+    CountTokensResponse, ImageBlockParam, Message, MessagesPrompt, MessagesRequest, OutputConfig, \
+    RedactedThinkingBlockParam, TextBlockParam, ThinkingBlockParam, ThinkingConfigDisabled, ThinkingConfigEnabled, \
+    ToolChoice, ToolChoiceAny, ToolChoiceNone, ToolChoiceTool, ToolParam, ToolResultBlockParam, ToolUseBlockParam, \
+    URLImageSource
 from ...http.disconnect import named_sse, until_disconnected
 from ...http.errors import APIError
 from ...http.json_body import StrictModel, parse_body, validation_error
@@ -84,8 +85,10 @@ class MessagesServing(ChatServing):
         self.resolve_model(req.model)
         chat, prefill = chat_request(req, {}), _prefill(req)
         _, plan = await self.checked(chat)
-        tokens = await self.off_loop(self.render, template_messages(chat.messages), True, plan.tools.tools, prefill)
-        return JSONResponse({"input_tokens": len(tokens)})
+        images = await self.load_images(chat.messages, req.model)
+        text, tokens = await self.off_loop(self.render_prompt, template_messages(chat.messages), True,
+                                           plan.tools.tools, prefill)
+        return JSONResponse({"input_tokens": self.images.prompt_tokens(text, tokens, images)})
 
     async def checked(self, chat: ChatCompletionRequest) -> tuple[SamplingParams, ChatPlan]:
         """`prepare`, its 400s naming the fields a Messages client wrote."""
@@ -210,9 +213,18 @@ def _prefill(req: MessagesPrompt) -> str:
     return text
 
 
-def _text(content: str | list[TextBlockParam]) -> str | list[dict[str, str]]:
-    """Text as chat content: a string, or parts (the template joins them)."""
-    return content if isinstance(content, str) else [{"type": "text", "text": block.text} for block in content]
+def _text(content: str | list[TextBlockParam | ImageBlockParam]) -> str | list[dict[str, Any]]:
+    """Text (and a user turn's images) as chat content: a string, or parts."""
+    return content if isinstance(content, str) else [_chat_part(block) for block in content]
+
+
+def _chat_part(block: TextBlockParam | ImageBlockParam) -> dict[str, Any]:
+    """A block as chat's part: an image's base64 source as a data: URL, checked as chat's are."""
+    if isinstance(block, TextBlockParam):
+        return {"type": "text", "text": block.text}
+    source = block.source
+    url = source.url if isinstance(source, URLImageSource) else f"data:{source.media_type};base64,{source.data}"
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _assistant(content: str | list[ContentBlockParam], index: int) -> dict[str, Any]:
@@ -225,8 +237,8 @@ def _assistant(content: str | list[ContentBlockParam], index: int) -> dict[str, 
                                                                            "arguments": block.input}})
         elif isinstance(block, (ThinkingBlockParam, RedactedThinkingBlockParam)):
             continue  # an earlier reply's reasoning: templates leave it out of the prompt
-        elif isinstance(block, ToolResultBlockParam):
-            raise APIError(400, f"messages[{index}].content[{j}]: tool_result blocks belong in user turns")
+        elif isinstance(block, (ToolResultBlockParam, ImageBlockParam)):
+            raise APIError(400, f"messages[{index}].content[{j}]: {block.type} blocks belong in user turns")
         else:
             texts.append(block)
     message: dict[str, Any] = {"role": "assistant", "content": _text(texts) if texts else None}
@@ -240,12 +252,12 @@ def _user(content: str | list[ContentBlockParam], index: int, calls: set[str]) -
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     out: list[dict[str, Any]] = []
-    texts: list[TextBlockParam] = []
+    texts: list[TextBlockParam | ImageBlockParam] = []
     for j, block in enumerate(content):
         where = f"messages[{index}].content[{j}]"
         if isinstance(block, (ToolUseBlockParam, ThinkingBlockParam, RedactedThinkingBlockParam)):
             raise APIError(400, f"{where}: {block.type} blocks belong in assistant turns")
-        if isinstance(block, TextBlockParam):
+        if isinstance(block, (TextBlockParam, ImageBlockParam)):
             texts.append(block)
             continue
         if block.tool_use_id not in calls:

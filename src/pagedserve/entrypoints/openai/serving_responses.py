@@ -87,7 +87,7 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 raise APIError(400, f"input[{i}].role must be user, system, developer or assistant, got {role!r}",
                                param="input")
             messages.append({"role": "system" if role == "developer" else role,
-                             "content": _text(item.get("content"), f"input[{i}].content")})
+                             "content": _content(item.get("content"), f"input[{i}].content")})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
@@ -110,16 +110,32 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
-def _text(content: Any, where: str) -> str:
-    """Message content: a string, or input_text / output_text parts joined."""
+def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """Message content: a string, or parts (input_text / output_text as chat's text parts,
+    input_image as chat's image_url part)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        texts = [part.get("text") for part in content if isinstance(part, dict)
-                 and part.get("type") in ("input_text", "output_text", "text")]
-        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
-            return "\n".join(texts)
-    raise APIError(400, f"{where} must be a string or a list of input_text parts", param="input")
+        return [_part(part, f"{where}[{j}]") for j, part in enumerate(content)]
+    raise APIError(400, f"{where} must be a string or a list of input_text and input_image parts",
+                   param="input")
+
+
+def _part(part: Any, where: str) -> dict[str, Any]:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+        return {"type": "text", "text": part["text"]}
+    if kind == "input_image":
+        if part.get("file_id") is not None:
+            raise APIError(400, f"{where}.file_id is not supported (this server stores no files): send the image "
+                                "as image_url", param="input")
+        url = part.get("image_url")
+        if not isinstance(url, str) or not url:
+            raise APIError(400, f"{where}.image_url must be a data: URL or an http(s) URL", param="input")
+        image = {"url": url, **({"detail": part["detail"]} if part.get("detail") is not None else {})}
+        return {"type": "image_url", "image_url": image}
+    raise APIError(400, f"{where} must be an input_text part ({{type, text}}) or an input_image part "
+                        f"({{type, image_url}}), got type {kind!r}", param="input")
 
 
 def _chat_tool(tool: Any, index: int) -> dict[str, Any]:
@@ -202,7 +218,11 @@ class ResponsesServing(ChatServing):
             "truncation": "disabled", "error": None, "incomplete_details": None, "reasoning": req.reasoning,
         }
         with self.admission.admit(1) as seat:
-            started = await self.submit(chat, params, plan, response_id, arrival, seat)
+            try:
+                started = await self.submit(chat, params, plan, response_id, arrival, seat)
+            except APIError as e:  # the images', the context's: named as the Responses fields
+                e.param = _PARAMS.get(e.param or "", e.param)
+                raise
             tracker = ChoiceTracker([response_id], 1, started.num_prompt_tokens, keep_output=True)
             if req.stream:
                 parser = ReplyParser(started.reasoning, plan.tools.parser)

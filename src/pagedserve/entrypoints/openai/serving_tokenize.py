@@ -21,9 +21,14 @@ class TokenizeServing(ChatServing):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if req.prompt is not None:
             tokens = await self.off_loop(self.tokenizer.encode, req.prompt, req.add_special_tokens)
+            count = len(tokens)
         else:
-            tokens = await self.off_loop(self.render, template_messages(req.messages), req.add_generation_prompt)
-        return JSONResponse({"count": len(tokens), "max_model_len": self.engine.max_context_len, "tokens": tokens})
+            # `count` includes the images' tokens; `tokens` holds each image's placeholder once.
+            images = await self.load_images(req.messages, req.model)
+            text, tokens = await self.off_loop(self.render_prompt, template_messages(req.messages),
+                                               req.add_generation_prompt)
+            count = self.images.prompt_tokens(text, tokens, images)
+        return JSONResponse({"count": count, "max_model_len": self.engine.max_context_len, "tokens": tokens})
 
     async def detokenize(self, request: Request) -> JSONResponse:
         req = parse_body(await request.body(), DetokenizeRequest)
