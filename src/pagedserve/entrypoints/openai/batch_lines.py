@@ -4,7 +4,7 @@ an Anthropic results line."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,11 +27,13 @@ class ParsedInput:
     lines: list[Line]
     early: list[LineResult]
     errors: list[dict[str, Any]]
+    urls: dict[int, str]  # each line's endpoint, by line index
 
 
-def parse_input(batch_id: str, endpoint: str, raw_lines: Iterable[bytes]) -> ParsedInput:
-    """Check each JSONL line: a malformed one, or one for another endpoint, becomes an error
-    result and the rest run; a repeated custom_id or an empty file fails the batch."""
+def parse_input(batch_id: str, endpoints: Collection[str], raw_lines: Iterable[bytes]) -> ParsedInput:
+    """Check each JSONL line: a malformed one, or one for an endpoint not in `endpoints`,
+    becomes an error result and the rest run; a repeated custom_id or an empty file fails
+    the batch."""
     lines: list[Line] = []
     early: list[LineResult] = []
     seen: dict[str, int] = {}
@@ -39,7 +41,7 @@ def parse_input(batch_id: str, endpoint: str, raw_lines: Iterable[bytes]) -> Par
     for idx, raw in enumerate(raw_lines):
         if not raw.strip():
             continue
-        line, problem = _parse_line(batch_id, idx, raw, endpoint)
+        line, problem = _parse_line(batch_id, idx, raw, endpoints)
         custom_id = line.custom_id if line is not None else problem[0]
         if custom_id is not None and custom_id in seen:
             errors.append({"code": "duplicate_custom_id", "line": idx + 1, "param": "custom_id",
@@ -54,11 +56,11 @@ def parse_input(batch_id: str, endpoint: str, raw_lines: Iterable[bytes]) -> Par
     if not lines and not early:
         errors.append({"code": "empty_file", "line": None, "param": "input_file_id",
                        "message": "the input file holds no request lines"})
-    return ParsedInput(lines, early, errors)
+    return ParsedInput(lines, early, errors, {line.idx: line.url for line in lines})
 
 
 def _parse_line(batch_id: str, idx: int, raw: bytes,
-                endpoint: str) -> tuple[Line | None, tuple[str | None, str, str]]:
+                endpoints: Collection[str]) -> tuple[_Parsed | None, tuple[str | None, str, str]]:
     """The line, or (its custom_id if readable, an error code, a message)."""
     try:
         data = json.loads(raw)
@@ -71,15 +73,20 @@ def _parse_line(batch_id: str, idx: int, raw: bytes,
         return None, (None, "missing_custom_id", f"line {idx + 1} has no custom_id (a non-empty string)")
     if data.get("method", "POST") != "POST":
         return None, (custom_id, "invalid_method", f"line {idx + 1}: method must be POST, got {data.get('method')!r}")
-    if data.get("url") != endpoint:
-        return None, (custom_id, "invalid_url", f"line {idx + 1}: url {data.get('url')!r} is not this batch's "
-                                                f"endpoint {endpoint!r}")
+    if data.get("url") not in endpoints:
+        return None, (custom_id, "invalid_url", f"line {idx + 1}: url {data.get('url')!r} is not one of "
+                                                f"{sorted(endpoints)}")
     body = data.get("body")
     if not isinstance(body, dict):
         return None, (custom_id, "invalid_body", f"line {idx + 1}: body must be a JSON object")
     if body.get("stream"):
         return None, (custom_id, "invalid_body", f"line {idx + 1}: stream is not supported in a batch")
-    return Line(batch_id, idx, custom_id, body), (None, "", "")
+    return _Parsed(batch_id, idx, custom_id, body, data["url"]), (None, "", "")
+
+
+@dataclass(frozen=True, slots=True)
+class _Parsed(Line):
+    url: str = ""
 
 
 def line_error(idx: int, custom_id: str | None, code: str, message: str) -> LineResult:

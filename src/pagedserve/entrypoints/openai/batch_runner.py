@@ -13,10 +13,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from .batch_execution import LineExecutor
-from .batch_lines import EXPIRED_ERROR, dumps, line_error, openai_line, parse_input
-from .batch_store import BatchRow, BatchStore, Line, LineResult, new_id
+from .batch_lines import EXPIRED_ERROR, ParsedInput, dumps, line_error, openai_line, parse_input
+from .batch_store import BatchRow, BatchStore, FileRow, Line, LineResult, new_id
 from .serving import Admission
 
 logger = logging.getLogger("pagedserve.batches")
@@ -150,7 +151,7 @@ class BatchRunner:
             for idx, custom_id in self.store.unanswered(batch.id):
                 yield dumps(openai_line(line_error(idx, custom_id, EXPIRED_ERROR["code"], EXPIRED_ERROR["message"])))
 
-    def _output_file(self, batch: BatchRow, kind: str, lines: Iterator[str]):
+    def _output_file(self, batch: BatchRow, kind: str, lines: Iterator[str]) -> FileRow | None:
         first = next(lines, None)
         if first is None:
             return None  # as OpenAI: no file when no line goes in it
@@ -163,6 +164,6 @@ def _chain(first: str, rest: Iterator[str]) -> Iterator[str]:
     yield from rest
 
 
-def _parse_file(batch: BatchRow, path):
+def _parse_file(batch: BatchRow, path: Path) -> ParsedInput:
     with open(path, "rb") as f:
-        return parse_input(batch.id, batch.endpoint, f)
+        return parse_input(batch.id, (batch.endpoint,), f)
