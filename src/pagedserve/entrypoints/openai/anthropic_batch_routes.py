@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ...http.errors import APIError
 from ...http.json_body import StrictModel, parse_body
+from ...http.openapi import request_body
 from .batch_lines import ANTHROPIC_ENDPOINT, anthropic_line, dumps
 from .batch_service import Batches, cancel, find_batch, owner
 from .batch_store import BatchRow, BatchStore, Line, new_id
@@ -76,7 +77,7 @@ def install_anthropic_batches(app: FastAPI, batches: Batches) -> None:
     def base(request: Request) -> str:
         return str(request.base_url).rstrip("/")
 
-    @app.post("/v1/messages/batches", include_in_schema=False)
+    @app.post("/v1/messages/batches", openapi_extra=request_body(CreateMessageBatchRequest))
     @_anthropic_errors
     async def create(request: Request) -> JSONResponse:
         req = parse_body(await request.body(), CreateMessageBatchRequest)
@@ -85,7 +86,7 @@ def install_anthropic_batches(app: FastAPI, batches: Batches) -> None:
         batches.wake()
         return JSONResponse(message_batch(store, batch, base(request)))
 
-    @app.get("/v1/messages/batches", include_in_schema=False)
+    @app.get("/v1/messages/batches")
     @_anthropic_errors
     async def list_batches(request: Request, limit: int = 20, after_id: str | None = None) -> JSONResponse:
         if not 1 <= limit <= _MAX_LIST:
@@ -95,19 +96,19 @@ def install_anthropic_batches(app: FastAPI, batches: Batches) -> None:
         return JSONResponse({"data": data, "has_more": len(data) == limit,
                              "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
 
-    @app.get("/v1/messages/batches/{batch_id}", include_in_schema=False)
+    @app.get("/v1/messages/batches/{batch_id}")
     @_anthropic_errors
     async def retrieve(request: Request, batch_id: str) -> JSONResponse:
         return JSONResponse(message_batch(store, find_batch(store, batch_id, "anthropic", _missing), base(request)))
 
-    @app.post("/v1/messages/batches/{batch_id}/cancel", include_in_schema=False)
+    @app.post("/v1/messages/batches/{batch_id}/cancel")
     @_anthropic_errors
     async def cancel_batch(request: Request, batch_id: str) -> JSONResponse:
         batch = find_batch(store, batch_id, "anthropic", _missing)
         cancel(batches, batch)
         return JSONResponse(message_batch(store, store.get_batch(batch.id), base(request)))
 
-    @app.get("/v1/messages/batches/{batch_id}/results", include_in_schema=False)
+    @app.get("/v1/messages/batches/{batch_id}/results")
     @_anthropic_errors
     async def results(batch_id: str) -> Response:
         batch = find_batch(store, batch_id, "anthropic", _missing)

@@ -19,7 +19,8 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from ...http.errors import APIError
 from ...http.json_body import StrictModel, parse_body
 from ...http.multipart_upload import boundary_of, read_upload
-from .anthropic_batch_routes import install_anthropic_batches
+from ...http.openapi import request_body
+from .anthropic_batch_routes import CreateMessageBatchRequest, install_anthropic_batches
 from .batch_execution import LineExecutor
 from .batch_lines import ANTHROPIC_ENDPOINT, BATCH_ENDPOINTS
 from .batch_metrics import BatchCollector
@@ -29,6 +30,9 @@ from .batch_store import BatchRow, BatchStore, FileRow, new_id
 from .routes import ServerParts
 
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
+_UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file", "purpose"],
+    "properties": {"file": {"type": "string", "format": "binary"}, "purpose": {"const": "batch"}}}}}}}
 _MAX_LIST = 10000
 
 
@@ -58,17 +62,18 @@ def batch_routes(app: FastAPI, parts: ServerParts) -> list[type[BaseModel]]:
     _install_files(app, batches)
     _install_batches(app, batches)
     install_anthropic_batches(app, batches)
-    return [CreateBatchRequest]
+    return [CreateBatchRequest, CreateMessageBatchRequest]
 
 
 def _install_disabled(app: FastAPI) -> None:
+    """Plain routes, outside the API document: the API is not served, only explained."""
     async def disabled(request: Request) -> Response:
         raise APIError(400, "this server keeps no files or batches: start it with --data-dir DIR", param="data_dir",
                        code="batches_disabled")
 
     for path in ("/v1/files", "/v1/files/{rest:path}", "/v1/batches", "/v1/batches/{rest:path}",
                  "/v1/messages/batches", "/v1/messages/batches/{rest:path}"):
-        app.add_api_route(path, disabled, methods=["GET", "POST", "DELETE"], include_in_schema=False)
+        app.router.add_route(path, disabled, methods=["GET", "POST", "DELETE"])
 
 
 # -- files ------------------------------------------------------------------------------------
@@ -83,27 +88,27 @@ def file_object(row: FileRow) -> dict[str, Any]:
 def _install_files(app: FastAPI, batches: Batches) -> None:
     store = batches.store
 
-    @app.post("/v1/files", include_in_schema=False)
+    @app.post("/v1/files", openapi_extra=_UPLOAD_BODY)
     async def create_file(request: Request) -> JSONResponse:
         row = await _upload(request, batches, owner())
         return JSONResponse(file_object(row))
 
-    @app.get("/v1/files", include_in_schema=False)
+    @app.get("/v1/files")
     async def list_files(purpose: str | None = None, limit: int = 10000, after: str | None = None) -> JSONResponse:
         rows = store.list_files(owner(), purpose, _limit(limit), after)
         return JSONResponse(_page([file_object(r) for r in rows], limit))
 
-    @app.get("/v1/files/{file_id}", include_in_schema=False)
+    @app.get("/v1/files/{file_id}")
     async def retrieve_file(file_id: str) -> JSONResponse:
         return JSONResponse(file_object(_file(store, file_id)))
 
-    @app.delete("/v1/files/{file_id}", include_in_schema=False)
+    @app.delete("/v1/files/{file_id}")
     async def delete_file(file_id: str) -> JSONResponse:
         if not store.delete_file(file_id, owner()):
             raise _no_file(file_id)
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
-    @app.get("/v1/files/{file_id}/content", include_in_schema=False)
+    @app.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str) -> Response:
         row = _file(store, file_id)
         return FileResponse(store.file_path(row.id), media_type="application/octet-stream", filename=row.filename)
@@ -179,7 +184,7 @@ def batch_object(store: BatchStore, batch: BatchRow) -> dict[str, Any]:
 def _install_batches(app: FastAPI, batches: Batches) -> None:
     store = batches.store
 
-    @app.post("/v1/batches", include_in_schema=False)
+    @app.post("/v1/batches", openapi_extra=request_body(CreateBatchRequest))
     async def create_batch(request: Request) -> JSONResponse:
         req = parse_body(await request.body(), CreateBatchRequest)
         who = owner()
@@ -201,16 +206,16 @@ def _install_batches(app: FastAPI, batches: Batches) -> None:
         batches.wake()
         return JSONResponse(batch_object(store, batch))
 
-    @app.get("/v1/batches", include_in_schema=False)
+    @app.get("/v1/batches")
     async def list_batches(limit: int = 20, after: str | None = None) -> JSONResponse:
         rows = store.list_batches(owner(), "openai", _limit(limit), after)
         return JSONResponse(_page([batch_object(store, r) for r in rows], limit))
 
-    @app.get("/v1/batches/{batch_id}", include_in_schema=False)
+    @app.get("/v1/batches/{batch_id}")
     async def retrieve_batch(batch_id: str) -> JSONResponse:
         return JSONResponse(batch_object(store, find_batch(store, batch_id, "openai", _no_batch)))
 
-    @app.post("/v1/batches/{batch_id}/cancel", include_in_schema=False)
+    @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(batch_id: str) -> JSONResponse:
         batch = find_batch(store, batch_id, "openai", _no_batch)
         cancel(batches, batch)

@@ -35,6 +35,7 @@ class BatchRunner:
         self._admission = admission
         self._max_in_flight = max_in_flight
         self._in_flight: dict[tuple[str, int], asyncio.Task] = {}
+        self._cursor: dict[str, int] = {}  # batch id -> the lowest line index that may lack an answer
         self._wake = asyncio.Event()
         self._resume_at = 0.0
 
@@ -82,7 +83,7 @@ class BatchRunner:
                 self._finish(batch, "expired", ("in_progress",))
             elif batch.status == "finalizing":
                 self._finish(batch, "completed", ("finalizing",))
-            elif not self._lines_of(batch.id) and not self.store.pending_lines(batch.id, 1, set()):
+            elif not self._lines_of(batch.id) and not self.store.pending_lines(batch.id, 1, set(), self._start(batch)):
                 if self.store.set_status(batch.id, "finalizing", only_from=("in_progress",)):
                     self._finish(batch, "completed", ("finalizing",))
         self._start_lines()
@@ -96,14 +97,24 @@ class BatchRunner:
                 return
             if batch.status != "in_progress":
                 continue
-            for line in self.store.pending_lines(batch.id, room, {idx for b, idx in self._in_flight if b == batch.id}):
+            for line in self.store.pending_lines(batch.id, room, self._running_lines(batch.id), self._start(batch)):
                 self._in_flight[(batch.id, line.idx)] = asyncio.ensure_future(self._run_line(batch, line))
+            # Every line below the lowest one in flight has its answer (lines start in order).
+            self._cursor[batch.id] = min(self._running_lines(batch.id), default=self._start(batch))
+
+    def _start(self, batch: BatchRow) -> int:
+        """The lowest line index that may lack an answer (0 after a restart: one full scan)."""
+        return self._cursor.get(batch.id, 0)
+
+    def _running_lines(self, batch_id: str) -> set[int]:
+        return {idx for b, idx in self._in_flight if b == batch_id}
 
     async def _run_line(self, batch: BatchRow, line: Line) -> None:
         try:
             answer = await self._executor.run(batch.endpoint, line.body, batch.owner)
             if answer.retry or self._admission.draining:
                 self._resume_at = time.monotonic() + _RETRY_AFTER_S
+                self._cursor[batch.id] = min(self._start(batch), line.idx)
                 return
             self.store.record(batch.id, LineResult(line.idx, line.custom_id, answer.status_code,
                                                    new_id("batch_req_"), answer.body))

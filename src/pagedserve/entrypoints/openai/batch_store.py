@@ -266,12 +266,13 @@ class BatchStore:
 
     # -- lines and results -------------------------------------------------------------------
 
-    def pending_lines(self, batch_id: str, limit: int, skip: set[int]) -> list[Line]:
-        """The first `limit` lines of the batch without a result, less those in `skip`."""
+    def pending_lines(self, batch_id: str, limit: int, skip: set[int], start: int = 0) -> list[Line]:
+        """The first `limit` lines of the batch from index `start` without a result, less
+        those in `skip` (`start` spares a long batch rescanning its answered lines)."""
         rows = self._rows(
             "SELECT l.batch_id, l.idx, l.custom_id, l.body FROM lines l LEFT JOIN results r "
-            "ON r.batch_id = l.batch_id AND r.idx = l.idx WHERE l.batch_id = ? AND r.idx IS NULL "
-            "ORDER BY l.idx LIMIT ?", (batch_id, limit + len(skip)))
+            "ON r.batch_id = l.batch_id AND r.idx = l.idx WHERE l.batch_id = ? AND l.idx >= ? AND r.idx IS NULL "
+            "ORDER BY l.idx LIMIT ?", (batch_id, start, limit + len(skip)))
         return [Line(b, i, c, json.loads(body)) for b, i, c, body in rows if i not in skip][:limit]
 
     def record(self, batch_id: str, result: LineResult) -> bool:

@@ -134,6 +134,7 @@ class Admission:
         if not victims:
             return False
         victim = max(victims, key=lambda seat: (seat.priority, seat.admitted))
+        self._seats.discard(victim)  # not a victim twice while its handler winds up
         victim.displaced(APIError(429, "displaced from the queue by a higher-priority request; retry later",
                                   code="rate_limit_exceeded", headers={"Retry-After": "1"}))
         return True
