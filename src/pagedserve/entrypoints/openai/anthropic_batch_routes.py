@@ -88,7 +88,10 @@ def install_anthropic_batches(app: FastAPI, batches: Batches) -> None:
 
     @app.get("/v1/messages/batches")
     @_anthropic_errors
-    async def list_batches(request: Request, limit: int = 20, after_id: str | None = None) -> JSONResponse:
+    async def list_batches(request: Request, limit: int = 20, after_id: str | None = None,
+                           before_id: str | None = None) -> JSONResponse:
+        if before_id is not None:
+            raise APIError(400, "before_id is not supported: page forwards with after_id")
         if not 1 <= limit <= _MAX_LIST:
             raise APIError(400, f"limit must be in [1, {_MAX_LIST}], got {limit}")
         rows = store.list_batches(owner(), "anthropic", limit, after_id)

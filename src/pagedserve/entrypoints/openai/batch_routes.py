@@ -94,7 +94,10 @@ def _install_files(app: FastAPI, batches: Batches) -> None:
         return JSONResponse(file_object(row))
 
     @app.get("/v1/files")
-    async def list_files(purpose: str | None = None, limit: int = 10000, after: str | None = None) -> JSONResponse:
+    async def list_files(purpose: str | None = None, limit: int = 10000, after: str | None = None,
+                         order: str = "desc") -> JSONResponse:
+        if order != "desc":
+            raise APIError(400, f"order must be 'desc' (newest first), got {order!r}", param="order")
         rows = store.list_files(owner(), purpose, _limit(limit), after)
         return JSONResponse(_page([file_object(r) for r in rows], limit))
 
