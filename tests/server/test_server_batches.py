@@ -258,34 +258,34 @@ def test_batch_metrics(batch_server):
 
 
 def test_an_urgent_request_displaces_waiting_work_from_a_full_queue(batch_server):
-    """max-num-seqs 2 and a queue of 4: a flood of priority-5 requests fills it; a priority
-    -10 chat is admitted and answered (one flood request displaced, answered 429), while an
-    equal-priority newcomer is still refused."""
+    """max-num-seqs 2 and a queue of 4: long priority-5 requests, sent one by one, fill it
+    until the next is refused (it outranks nothing waiting); a priority -10 chat is then
+    admitted and answered, and the latest waiting priority-5 request is displaced (429)."""
     headers = {"Authorization": f"Bearer {KEYS['alice']}"}
 
     async def scenario():
         async with httpx.AsyncClient(base_url=batch_server.url, headers=headers, timeout=120) as http:
-            flood = [asyncio.ensure_future(http.post("/v1/completions", json={
-                "prompt": ["Tell me a story", "Write a poem"], "max_tokens": 200, "priority": 5}))
-                for _ in range(4)]
+            flood: list[asyncio.Future] = []
             deadline = time.monotonic() + 60
-            while True:
-                refused = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "priority": 5})
-                if refused.status_code == 429:
-                    break
+            while not any(task.done() and task.result().status_code == 429 for task in flood):
                 assert time.monotonic() < deadline, "the flood never filled the queue"
+                flood.append(asyncio.ensure_future(http.post("/v1/completions", json={
+                    "prompt": "Tell me a story", "max_tokens": 400, "ignore_eos": True, "priority": 5})))
+                await asyncio.sleep(0.3)
             urgent = await http.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "priority": -10})
-            displaced = [task.result() for task in flood if task.done()]
+            answered = [task.result() for task in flood if task.done()]
             for task in flood:
                 task.cancel()
             await asyncio.gather(*flood, return_exceptions=True)
-            return urgent, displaced
+            return urgent, answered
 
-    urgent, displaced = asyncio.run(scenario())
+    urgent, answered = asyncio.run(scenario())
     assert urgent.status_code == 200, urgent.text
     assert urgent.json()["choices"][0]["message"]["content"] is not None
-    assert any(r.status_code == 429 and "displaced" in r.json()["error"]["message"] for r in displaced)
+    refusals = [r.json()["error"]["message"] for r in answered if r.status_code == 429]
+    assert any("already waiting" in m for m in refusals)
+    assert any("displaced" in m for m in refusals)
 
 
 @pytest.mark.slow
