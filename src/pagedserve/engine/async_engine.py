@@ -179,6 +179,7 @@ class RequestStream:
         self._num_unfinished = len(self.request_ids)
         self._queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
         self._acks = list(acks)
+        self.started = False  # a delta has arrived: the group left the waiting queue at least once
 
     async def accepted(self) -> None:
         """Return once the engine has taken every request of the group. If it rejected
@@ -200,6 +201,8 @@ class RequestStream:
 
     def put(self, item: RequestDelta | BaseException) -> None:
         """The engine's side: a delta of one of the group's requests, or the error that ends the stream."""
+        if not isinstance(item, BaseException):
+            self.started = True
         self._queue.put_nowait(item)
 
     async def __aiter__(self) -> AsyncIterator[RequestDelta]:
@@ -211,6 +214,13 @@ class RequestStream:
             if item.finished:
                 self._num_unfinished -= 1
             yield item
+
+    def fail(self, error: BaseException) -> None:
+        """Abort the group's unfinished requests and end its iteration with `error` (its
+        consumer raises it): how admission displaces waiting work."""
+        if self._num_unfinished:
+            self._engine.abort(self.request_ids)
+            self.put(error)
 
     def abort(self) -> None:
         """Stop every unfinished request of the group and free its KV blocks; idempotent."""

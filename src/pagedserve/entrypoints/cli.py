@@ -153,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
 
+    from .openai.run_batch import add_run_batch_parser  # argparse only; the engine loads inside the command
+
+    add_run_batch_parser(sub)
+
     keys = sub.add_parser("keys", help="API keys for --api-keys: 'hash' the keys on stdin, or make a 'new' one")
     keys.add_argument("action", choices=["hash", "new"])
     keys.add_argument("--tenant", default="TENANT", help="the tenant a new key's entry names")

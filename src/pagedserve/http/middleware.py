@@ -74,14 +74,16 @@ def _digest(value: bytes) -> bytes:
 
 
 class BodyLimitMiddleware:
-    """Read the whole body first (at most `limit` bytes) and replay it to the app; 413 beyond."""
+    """Read the whole body first (at most `limit` bytes) and replay it to the app; 413 beyond.
+    POSTs to the `streamed` paths pass through as they arrive (their routes cap them)."""
 
-    def __init__(self, app: ASGIApp, limit: int):
+    def __init__(self, app: ASGIApp, limit: int, streamed: frozenset[str] = frozenset()):
         self.app = app
         self._limit = limit
+        self._streamed = streamed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or (scope["method"] == "POST" and scope["path"] in self._streamed):
             await self.app(scope, receive, send)
             return
         for name, value in scope["headers"]:

@@ -19,12 +19,13 @@ being listed. All state lives on the event loop; SIGHUP reloads the file there.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import math
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -151,6 +152,16 @@ _CURRENT: contextvars.ContextVar[TenantState | None] = contextvars.ContextVar("p
 
 def current_tenant() -> TenantState | None:
     return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def acting_for(state: TenantState | None) -> Iterator[None]:
+    """Serve work inside as `state`'s (a batch line runs for the tenant that created the batch)."""
+    token = _CURRENT.set(state)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
 
 
 class Tenants:

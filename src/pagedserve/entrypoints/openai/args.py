@@ -44,13 +44,18 @@ class ServerConfig:
     # Images per prompt ({"image": n}) and the hosts image URLs may name (docs/images.md).
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": DEFAULT_IMAGES_PER_PROMPT})
     allowed_media_domains: list[str] = field(default_factory=list)
+    data_dir: str | None = None  # files and batches (docs/batches.md); None: the batch routes answer 400
+    max_batch_file_size: int = 200 << 20
+    batch_storage_quota: int | None = None  # bytes of files a tenant (or, without tenants, the server) keeps
+    batch_concurrency: int = 4  # batch lines in flight at once
 
     def __post_init__(self) -> None:
         check_mm_limits(self.limit_mm_per_prompt)
         normalize_domains(self.allowed_media_domains)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("max_queued_requests", "max_n", "max_request_body_size", "max_header_size"):
+        for name in ("max_queued_requests", "max_n", "max_request_body_size", "max_header_size", "max_batch_file_size",
+                     "batch_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
@@ -64,6 +69,8 @@ class ServerConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in (*REASONING_PARSERS, "auto"):
             raise ValueError(f"reasoning_parser must be one of {[*REASONING_PARSERS, 'auto']} or None, "
                              f"got {self.reasoning_parser!r}")
+        if self.batch_storage_quota is not None and self.batch_storage_quota < 1:
+            raise ValueError(f"batch_storage_quota must be >= 1 byte, got {self.batch_storage_quota}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty")
         if self.api_key is not None and self.api_keys is not None:
@@ -127,6 +134,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
                    help="hosts whose http(s) image URLs the server fetches (default: none, only data: URLs); a "
                         "name resolving to a private or loopback address is refused unless listed as that IP")
+    _add_batch_args(parser, d)
     EngineConfig.add_cli_args(parser)
 
 
@@ -135,6 +143,21 @@ def _mm_limits(text: str) -> dict[str, int]:
         return parse_mm_limits(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_batch_args(parser: argparse.ArgumentParser, d: ServerConfig) -> None:
+    g = parser.add_argument_group("batch jobs (docs/batches.md)")
+    g.add_argument("--data-dir", metavar="DIR", default=None,
+                   help="keep uploaded files and batch jobs here (SQLite and the files' bodies); a restart with the "
+                        "same DIR resumes unfinished batches. Without it /v1/files and the batch routes answer 400")
+    g.add_argument("--max-batch-file-size", type=parse_memory, default=d.max_batch_file_size,
+                   help="largest file /v1/files takes, enforced while it uploads (default 200MiB)")
+    g.add_argument("--batch-storage-quota", type=parse_memory, default=None,
+                   help="bytes of stored files (uploads and outputs) each tenant may keep; without --api-keys the "
+                        "whole server's (default: unlimited)")
+    g.add_argument("--batch-concurrency", type=int, default=d.batch_concurrency,
+                   help="batch lines in flight at once, at the lowest priority and outside --max-queued-requests "
+                        "(default 4)")
 
 
 def server_reasoning_parser(name: str | None, chat_template: str | None) -> ReasoningFormat | None:

@@ -4,8 +4,8 @@ server (server.py) calls each group in turn, so a new group is one more entry th
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 from pydantic import BaseModel
@@ -42,6 +42,8 @@ class ServerParts:
     model_names: list[str]  # the names /v1/models lists; the first is the default
     tool_parser: ToolParser | None
     reasoning_parser: ReasoningFormat | None  # --reasoning-parser, or what the chat template writes
+    # Tasks a group runs while the server serves (started after the engine, cancelled before it stops).
+    background: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
 
 RouteGroup = Callable[[FastAPI, ServerParts], Sequence[type[BaseModel]]]

@@ -34,6 +34,7 @@ from ...http.tenants import TenantMiddleware, Tenants
 from ...http.openapi import build_openapi
 from ...http.tool_parsers import TOOL_PARSERS
 from .args import ServerConfig, server_reasoning_parser
+from .batch_routes import batch_routes
 from .metrics import ServerMetrics
 from .protocol import RequestLimits, max_prompt_chars
 from .routes import RouteGroup, ServerParts, dashboard_routes, kv_event_routes, lora_routes, openai_routes, \
@@ -56,7 +57,7 @@ _ABORTED_RESPONSES_GRACE_S = 5.0
 # In the order their routes appear in /openapi.json; a new group is one more entry.
 ROUTE_GROUPS: tuple[RouteGroup, ...] = (
     openai_routes, messages_routes, pooling_routes, tokenizer_routes, operations_routes, kv_event_routes, lora_routes,
-    dashboard_routes,
+    dashboard_routes, batch_routes,
 )
 
 
@@ -68,11 +69,12 @@ def build_app(engine: LLMEngine, config: ServerConfig, tenants: Tenants | None =
         tenants = Tenants(config.api_keys)
     if tenants is not None:
         parts.metrics.registry.register(TenantCollector(tenants, parts.model_names[0]))
-    app = FastAPI(title="pagedserve", version=__version__, lifespan=_lifespan(parts.context, tenants),
+    app = FastAPI(title="pagedserve", version=__version__, lifespan=_lifespan(parts, tenants),
                   redoc_url=None,
                   description="An OpenAI-compatible LLM server.", separate_input_output_schemas=False)
     app.state.engine = parts.context.engine
     app.state.admission = parts.context.admission
+    app.state.tenants = tenants
     request_models = [model for group in ROUTE_GROUPS for model in group(app, parts)]
     document = build_openapi(app, tuple(request_models))
     app.openapi = lambda: document  # type: ignore[method-assign]  # built once; the routes are fixed
@@ -100,15 +102,21 @@ def _server_parts(engine: LLMEngine, config: ServerConfig) -> ServerParts:
                        server_reasoning_parser(config.reasoning_parser, engine.tokenizer.chat_template))
 
 
-def _lifespan(context: ServingContext,
+def _lifespan(parts: ServerParts,
               tenants: Tenants | None) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    context = parts.context
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         context.engine.start()
         stop_watching = tenants.watch_sighup(asyncio.get_running_loop()) if tenants is not None else None
+        background = [asyncio.ensure_future(run()) for run in parts.background]
         try:
             yield
         finally:
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
             if stop_watching is not None:
                 stop_watching()
             await context.engine.close()
@@ -119,7 +127,8 @@ def _lifespan(context: ServingContext,
 
 def _add_middleware(app: FastAPI, config: ServerConfig, tenants: Tenants | None) -> None:
     # Added innermost first: requests pass CORS, then the key check (or the tenants'), then the body limit.
-    app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_size)
+    # File uploads stream to disk under their own cap (batch_routes.py), unbuffered.
+    app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_size, streamed=frozenset({"/v1/files"}))
     if tenants is not None:
         app.add_middleware(TenantMiddleware, tenants=tenants)
     elif config.api_key:

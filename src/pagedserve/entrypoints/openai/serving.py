@@ -4,11 +4,13 @@ checks, handing requests to the engine, SSE framing and client-disconnect handli
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import dataclasses
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -43,19 +45,57 @@ def finite_logprob(value: float) -> float:
 # -- admission ------------------------------------------------------------------------------
 
 
+# Batch lines (batch_runner.py) run at this priority, after every interactive request
+# (whose priorities are capped just above it), so under --scheduling-policy priority they
+# are scheduled last and preempted first.
+BACKGROUND_PRIORITY = 2 ** 62
+_IN_BACKGROUND: contextvars.ContextVar[bool] = contextvars.ContextVar("pagedserve_background", default=False)
+# The priority the request being served asked for (read_request sets it), so admission can
+# rank an arrival against the waiting work before the handler builds its engine requests.
+_ASKED_PRIORITY: contextvars.ContextVar[int] = contextvars.ContextVar("pagedserve_asked_priority", default=0)
+
+
+@contextlib.contextmanager
+def background_work() -> Iterator[None]:
+    """Requests served inside this run as batch work: at BACKGROUND_PRIORITY, outside the
+    interactive queue limit (the batch runner bounds how many it has in flight)."""
+    token = _IN_BACKGROUND.set(True)
+    try:
+        yield
+    finally:
+        _IN_BACKGROUND.reset(token)
+
+
+def request_priority(asked: int) -> int:
+    """The priority a request runs at: batch work's, or what it asked for (raised to its
+    tenant's class) and never behind batch work."""
+    if _IN_BACKGROUND.get():
+        return BACKGROUND_PRIORITY
+    tenant = current_tenant()
+    priority = asked if tenant is None else tenant.tenant.request_priority(asked)
+    return min(priority, BACKGROUND_PRIORITY - 1)
+
+
 class Admission:
     """Who may start generating: not while draining (503), not past the queue limit (429).
 
     Counts requests being tokenised as waiting too, so a burst cannot slip past the
-    limit while its prompts are still in the thread pool.
+    limit while its prompts are still in the thread pool. Batch work is not counted. Under
+    --scheduling-policy priority a full queue does not refuse an arrival that outranks
+    waiting work: the lowest-priority request still waiting (no output yet, not streaming)
+    is displaced instead, answered 429 itself.
     """
 
     def __init__(self, engine: AsyncEngine, max_queued_requests: int):
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.draining = False
+        self.displace = engine.engine.config.scheduling.scheduling_policy == "priority"
         self._preparing = 0
         self._active = 0
+        # Seats whose requests reached the engine: interactive ones, and batch work's.
+        self._seats: set[Seat] = set()
+        self._background: set[Seat] = set()
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -63,13 +103,22 @@ class Admission:
     def num_active(self) -> int:
         return self._active
 
+    @property
+    def num_waiting(self) -> int:
+        """Interactive requests waiting: in the engine's queue or being prepared."""
+        background = sum(seat.num_requests for seat in self._background if seat.displaceable)
+        return max(0, self.engine.num_waiting - background) + self._preparing
+
     def admit(self, num_requests: int) -> Seat:
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         if not self.engine.is_healthy:
             raise APIError(503, "the engine is not running", code="engine_unavailable")
-        waiting = self.engine.num_waiting + self._preparing
-        if waiting >= self.max_queued_requests:
+        priority = request_priority(_ASKED_PRIORITY.get())
+        if _IN_BACKGROUND.get():
+            return Seat(self, num_requests, priority, background=True)
+        waiting = self.num_waiting
+        if waiting >= self.max_queued_requests and not self._displace_below(priority):
             raise APIError(
                 429, f"{waiting} requests are already waiting (limit {self.max_queued_requests}); retry later",
                 code="rate_limit_exceeded", headers={"Retry-After": "1"},
@@ -77,21 +126,43 @@ class Admission:
         self._preparing += num_requests
         self._active += 1
         self._idle.clear()
-        return Seat(self, num_requests)
+        return Seat(self, num_requests, priority, background=False)
+
+    def _displace_below(self, priority: int) -> bool:
+        """Displace the lowest-priority waiting request group that `priority` outranks (the
+        latest admitted among equals); False when there is none."""
+        if not self.displace:
+            return False
+        victims = [seat for seat in self._seats if seat.displaceable and seat.priority > priority]
+        if not victims:
+            return False
+        victim = max(victims, key=lambda seat: (seat.priority, seat.admitted))
+        self._seats.discard(victim)  # not a victim twice while its handler winds up
+        victim.displaced(APIError(429, "displaced from the queue by a higher-priority request; retry later",
+                                  code="rate_limit_exceeded", headers={"Retry-After": "1"}))
+        return True
 
     async def wait_idle(self) -> None:
         await self._idle.wait()
 
-    def release(self, num_preparing: int) -> None:
+    def release(self, seat: Seat, num_preparing: int) -> None:
         """A seat closed; `num_preparing` of its requests never reached the engine."""
+        self._seats.discard(seat)
+        self._background.discard(seat)
+        if seat.background:
+            return
         self._preparing -= num_preparing
         self._active -= 1
         if self._active == 0:
             self._idle.set()
 
-    def submitted(self, num_requests: int) -> None:
+    def submitted(self, seat: Seat) -> None:
         """A seat's requests reached the engine: they wait there now, no longer here."""
-        self._preparing -= num_requests
+        if seat.background:
+            self._background.add(seat)
+            return
+        self._preparing -= seat.num_requests
+        self._seats.add(seat)
 
 
 class Seat:
@@ -99,18 +170,30 @@ class Seat:
     engine requests. Closing it (exactly once, however the request ends) aborts what
     is unfinished. Used as a context manager that closes unless handed to a response."""
 
-    def __init__(self, admission: Admission, num_requests: int):
+    def __init__(self, admission: Admission, num_requests: int, priority: int, *, background: bool):
         self._admission = admission
-        self._num_requests = num_requests
+        self.num_requests = num_requests
+        self.priority = priority
+        self.background = background
+        self.admitted = time.monotonic()
         self._preparing = True
         self._closed = False
         self._handed_over = False
         self.stream: RequestStream | None = None
 
+    @property
+    def displaceable(self) -> bool:
+        """Still waiting (nothing generated yet) and answered whole, so a 429 can replace it."""
+        return self.stream is not None and not self.stream.started and not self._handed_over
+
     def attach(self, stream: RequestStream) -> None:
         self.stream = stream
         self._preparing = False
-        self._admission.submitted(self._num_requests)
+        self._admission.submitted(self)
+
+    def displaced(self, error: APIError) -> None:
+        if self.stream is not None:
+            self.stream.fail(error)
 
     def hand_over(self) -> None:
         self._handed_over = True
@@ -121,7 +204,7 @@ class Seat:
         self._closed = True
         if self.stream is not None:
             self.stream.abort()
-        self._admission.release(self._num_requests if self._preparing else 0)
+        self._admission.release(self, self.num_requests if self._preparing else 0)
 
     def __enter__(self) -> Seat:
         return self
@@ -256,6 +339,7 @@ class OpenAIServing:
         """The arrival time, the parsed body and the response's id/created/model."""
         arrival = time.monotonic()
         body = parse_body(await request.body(), model)
+        _ASKED_PRIORITY.set(getattr(body, "priority", 0))
         meta = ResponseMeta(f"{id_prefix}-{uuid.uuid4().hex}", int(time.time()), self.resolve_model(body.model))
         return arrival, body, meta
 
@@ -320,6 +404,7 @@ class OpenAIServing:
         tenant = current_tenant()
         if tenant is not None:
             requests = for_tenant(tenant, requests)
+        requests = [dataclasses.replace(r, priority=request_priority(r.priority)) for r in requests]
         try:
             stream = self.engine.submit(requests)
             # From here the engine's queue counts them, and closing the seat aborts them.
@@ -337,8 +422,7 @@ class OpenAIServing:
 def for_tenant(tenant: TenantState, requests: Sequence[GenerationRequest]) -> list[GenerationRequest]:
     """The requests with their tenant's priority class and prefix-cache salt (tenant_keys.Tenant)."""
     t = tenant.tenant
-    return [dataclasses.replace(r, priority=t.request_priority(r.priority), cache_salt=t.cache_salt(r.cache_salt))
-            for r in requests]
+    return [dataclasses.replace(r, cache_salt=t.cache_salt(r.cache_salt)) for r in requests]
 
 
 def engine_error(error: EngineDeadError) -> APIError:
