@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
+from gguf import GGUFWriter
 from gguf.quants import dequantize, quantize
 from test_dequant_linear import sequential_fma_reference
 from test_moe_gguf import GGUF_MOE, load_config
@@ -23,12 +24,14 @@ from engine_utils import greedy_tokens
 from kernel_paths import outputs_on_every_path
 from pagedserve.kernels import resolve_kernels
 from pagedserve.model.gguf_file import read_tensors
+from pagedserve.model.gguf_rewrite import add_tensor_as, finish
 from pagedserve.model.gguf_write import write_gguf
 from pagedserve.model.loader import load_model
 from pagedserve.model.moe import MoE, QuantExperts, route
 from pagedserve.model.moe_config import MoEConfig
 from pagedserve.model.mxfp4 import BOOK, MXFP4, blocks_from_hf, half_scale
-from pagedserve.model.quant import QuantLinear, dequantize_blocks, quantize_activations, quantize_blocks
+from pagedserve.model.quant import (QuantEmbedding, QuantLinear, dequantize_blocks, quantize_activations,
+                                    quantize_blocks)
 
 resolve_kernels("native")  # a broken build fails these tests rather than skipping them
 
@@ -96,6 +99,12 @@ def test_fp32_op_is_the_sequential_fp32_product_of_the_real_values(n, k, path, m
     # One-hot rows read single weights back: the tiles hold the blocks' values.
     eye = torch.eye(k)[:64]
     assert torch.equal(QuantLinear(blocks, MXFP4, activations="fp32")(eye), dequantize_blocks(blocks, MXFP4)[:, :64].T)
+
+
+def test_an_embedding_reads_its_rows_back_out_of_the_tiles():
+    blocks = quantize_blocks(weights(45, 320, seed=5), MXFP4)
+    ids = torch.tensor([[44, 0, 7], [1, 1, 31]])
+    assert torch.equal(QuantEmbedding(blocks, MXFP4)(ids), dequantize_blocks(blocks, MXFP4)[ids])
 
 
 def int8_reference(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -198,6 +207,26 @@ def mxfp4_experts(name: str, shape: tuple[int, ...]) -> T:
     return T.MXFP4 if "_exps" in name else T.Q8_0
 
 
+def test_a_gguf_file_holds_mxfp4_tensors_as_written_and_experts_run_on_its_blocks(tmp_path):
+    w = expert_weights(6)["down"]
+    path = tmp_path / "experts.gguf"
+    writer = GGUFWriter(path, "llama")
+    add_tensor_as(writer, "blk.0.ffn_down_exps.weight", w.numpy(), T.MXFP4)
+    finish(writer)
+    (tensor,) = read_tensors(path)
+    assert tensor.qtype == T.MXFP4 and tensor.shape == (E, H, I)
+    blocks = torch.from_numpy(np.array(tensor.raw)).reshape(E, H, -1)
+    assert torch.equal(blocks, quantize_blocks(w.reshape(E * H, I), MXFP4).reshape(E, H, -1))
+    dense = dequantize_blocks(blocks.reshape(E * H, -1), MXFP4).reshape(E, H, I)
+    assert np.array_equal(tensor.to_float32(), dense.numpy())
+    experts = QuantExperts(blocks, MXFP4, "fp32")  # the file's blocks [experts, out, row bytes], as the loader keeps them
+    x = torch.randn(3, I)
+    for e in (0, E - 1):
+        got = torch.ops.pagedserve.dequant_linear(x, experts.packed[e], MXFP4, H, None)
+        assert torch.equal(got, sequential_fma_reference(x, dense[e], None))
+
+
+@pytest.mark.slow  # ~60 s on 2 busy cores: a model written, loaded twice and decoded
 def test_a_gguf_with_mxfp4_experts_loads_them_on_blocks_with_the_dequantised_models_tokens(gguf_path, tmp_path):
     from test_moe import make_reference
 
