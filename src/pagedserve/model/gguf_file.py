@@ -25,11 +25,12 @@ from gguf.quants import dequantize
 
 # Types we promise to load (tests/test_gguf_types.py writes and reads each): the ones
 # llama-quantize's presets put in files (Q4_K_M holds Q4_K, Q6_K and, for rows whose width
-# is not a multiple of 256, Q5_0 or Q8_0; Q2_K / Q3_K / IQ4_XS fall back to IQ4_NL there).
+# is not a multiple of 256, Q5_0 or Q8_0; Q2_K / Q3_K / IQ4_XS fall back to IQ4_NL there), and
+# MXFP4, gpt-oss's experts.
 SUPPORTED_TYPES = frozenset(
     GGMLQuantizationType[name]
     for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K",
-                 "Q4_K", "Q5_K", "Q6_K")
+                 "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 )
 # The smallest encodings of one metadata entry (key length, key, type, a 1-byte value)
 # and of one tensor entry (name length, name, ndims, a dim, type, offset): a header

@@ -3,8 +3,8 @@ types users download (Q5_0 rows beside K-quants, IQ4_NL, ...) made here, never f
 
 `rewrite_gguf(src, dst, choose)` copies every metadata entry and, tensor by tensor, asks
 `choose(name, shape, qtype)` for the type to store; the weights are dequantised to fp32
-and quantised again. Legacy types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and BF16/F16/F32 use the
-`gguf` package's reference quantisers; IQ4_NL, IQ4_XS and the K-quants (Q2_K to Q6_K) this
+and quantised again. Legacy types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), MXFP4 and BF16/F16/F32 use
+the `gguf` package's reference quantisers; IQ4_NL, IQ4_XS and the K-quants (Q2_K to Q6_K) this
 module's (`quantize_iq4_nl`, `quantize_iq4_xs`, `quantize_k`: `gguf` 0.19 only dequantises
 those), checked against `gguf`'s dequantiser in tests/test_gguf_types.py.
 
@@ -30,7 +30,8 @@ Chooser = Callable[[str, tuple[int, ...], GGMLQuantizationType], GGMLQuantizatio
 
 # llama.cpp's IQ4_NL code book (ggml-common.h kvalues_iq4nl): a 4-bit index picks one.
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
-_GGUF_QUANTISED = {GGMLQuantizationType[n] for n in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")}
+_GGUF_QUANTISED = {GGMLQuantizationType[n]
+                   for n in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4")}
 
 
 def _book_scale(blocks: np.ndarray) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Weight-only quantisation in llama.cpp's block formats, and the linear and embedding
 modules that run on a GGUF file's blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K,
-Q6_K, IQ4_NL, IQ4_XS)
+Q6_K, IQ4_NL, IQ4_XS, MXFP4: model/mxfp4.py)
 or on 16-bit float weights as stored (F16, BF16: a GGUF's tensors or a safetensors folder's).
 
 A block is 32 consecutive input values of one output row, stored exactly as a GGUF
@@ -31,11 +31,12 @@ from torch import nn
 
 from ..kernels import native_unavailable_reason
 from .config import QTYPES
+from .mxfp4 import MXFP4, dequantize_mxfp4, quantize_mxfp4
 
 BLOCK = 32
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # the types quantize_blocks writes
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34, MXFP4: 17}  # the types quantize_blocks writes
 # GGML types the native ops (fp32 and int8 activations alike) read on their own blocks.
-NATIVE_TYPES = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23})
+NATIVE_TYPES = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23, MXFP4})
 # 16-bit float weights as stored (GGML F16, BF16), which the fp32 op alone reads: half of
 # fp32's bytes, the same numbers.
 F16, BF16 = 1, 30
@@ -91,8 +92,10 @@ def _round_half_away(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_blocks(w: torch.Tensor, qtype: int) -> torch.Tensor:
     """fp32 [N, K] -> GGUF blocks uint8 [N, K / 32 * block bytes], rounding as llama.cpp's
-    reference quantisers do (quantize_row_q8_0_ref, q4_0_ref, q4_1_ref)."""
+    reference quantisers do (quantize_row_q8_0_ref, q4_0_ref, q4_1_ref, mxfp4_ref)."""
     _check_shape(w)
+    if qtype == MXFP4:
+        return quantize_mxfp4(w)
     n, k = w.shape
     x = w.float().reshape(n, k // BLOCK, BLOCK)
     if qtype == QTYPES["q8_0"]:
@@ -114,7 +117,7 @@ def quantize_blocks(w: torch.Tensor, qtype: int) -> torch.Tensor:
         q = torch.clamp(torch.trunc((x - lo[..., None]) * inv[..., None] + 0.5), max=15).to(torch.uint8)
         blocks = torch.cat([_half_bytes(d), _half_bytes(lo), q[..., :16] | (q[..., 16:] << 4)], dim=-1)
     else:
-        raise ValueError(f"unsupported qtype {qtype}; supported: {QTYPES}")
+        raise ValueError(f"unsupported qtype {qtype}; supported: {QTYPES} and MXFP4 ({MXFP4})")
     return blocks.reshape(n, -1).contiguous()
 
 
@@ -123,6 +126,8 @@ def dequantize_blocks(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     gguf's own dequantiser)."""
     if qtype in HALF_TYPES:
         return blocks.contiguous().view(torch.float16 if qtype == F16 else torch.bfloat16).float()
+    if qtype == MXFP4:
+        return dequantize_mxfp4(blocks)
     if qtype not in BLOCK_BYTES:
         values = gguf_dequantize(blocks.numpy(), GGMLQuantizationType(qtype))
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(blocks.shape[0], -1)

@@ -1,6 +1,6 @@
 // y = x W^T + b in fp32, W read from the packed tiles of quant_repack (quant_linear.h) and
 // dequantised in registers: the fp32 model a GGUF file defines, at about the file's bytes
-// per weight. Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K, IQ4_NL, IQ4_XS, and F16 / BF16 weights
+// per weight. Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K, IQ4_NL, IQ4_XS, MXFP4, and F16 / BF16 weights
 // as stored (a bf16 Hugging Face checkpoint's fp32 model at half its fp32 bytes).
 //
 // Why: a GGUF's fp32 model is its blocks dequantised, so an fp32 layer built from the file
@@ -321,6 +321,7 @@ void dequant_tiles(int64_t qtype, int64_t t0, int64_t nt, int64_t m, const uint8
     case kQ6_K: return run<kQ6_K>(t0, nt, m, tiles, stride, nb, x, k, out, out_features, bias, avx512);
     case kIQ4_NL: return run<kIQ4_NL>(t0, nt, m, tiles, stride, nb, x, k, out, out_features, bias, avx512);
     case kIQ4_XS: return run<kIQ4_XS>(t0, nt, m, tiles, stride, nb, x, k, out, out_features, bias, avx512);
+    case kMXFP4: return run<kMXFP4>(t0, nt, m, tiles, stride, nb, x, k, out, out_features, bias, avx512);
     case kF16: return run<kF16>(t0, nt, m, tiles, stride, nb, x, k, out, out_features, bias, avx512);
     case kBF16: return run<kBF16>(t0, nt, m, tiles, stride, nb, x, k, out, out_features, bias, avx512);
   }

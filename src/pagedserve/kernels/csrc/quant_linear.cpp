@@ -1,5 +1,5 @@
 // y = x W^T + b with W in llama.cpp's blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K,
-// Q5_K, Q6_K, IQ4_NL, IQ4_XS: quant_linear.h's packed tiles), x fp32 quantised to int8 per 32
+// Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4: quant_linear.h's packed tiles), x fp32 quantised to int8 per 32
 // values.
 //
 // Why: a decode step reads every weight once per step; fp32 weights make batch-1 decode
@@ -157,7 +157,8 @@ void tile_dot(const uint8_t* tiles, int64_t nb, const int8_t* qa, int64_t k, con
                  kBook = is_book(kType), kI16 = hi_bits(kType) == 0 && !kBook;
   using Nibbles = avx2::NibbleFormat<V8, kType>;
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i book = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Book)));
+  const __m256i book =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(book_of(kType).i8)));
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -171,7 +172,7 @@ void tile_dot(const uint8_t* tiles, int64_t nb, const int8_t* qa, int64_t k, con
     for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
     // maddubs of codes (<= 63) by int8 (|a| <= 127): a pair sums to <= 16,002, two pairs
     // (one vector) to <= 32,004: int16 holds one vector; codes of 4 bits or fewer hold all
-    // four (30,480). The IQ4 book's signed values (|w| <= 127) go through maddubs as Q8_0's
+    // four (30,480). A book's signed values (IQ4's |w| <= 127, MXFP4's <= 12) go through maddubs as Q8_0's
     // do, |w| by the activations given w's sign, each product pair widened on its own.
     __m256i i16[MR];
     for (int r = 0; r < MR; ++r) i16[r] = _mm256_setzero_si256();
@@ -297,7 +298,8 @@ void quad_dot_vnni(const uint8_t* tiles, int64_t stride, int64_t nb, const int8_
                  kBook = is_book(kType);
   constexpr int64_t kTile = packed_layout(kType).tile;
   using Nibbles = avx512::NibbleFormat<V16, kType>;
-  const __m512i book = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4.u8)));
+  const __m512i book =
+      _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(book_of(kType).u8)));
   __m512 acc[MR][2];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -341,7 +343,7 @@ void quad_dot_vnni(const uint8_t* tiles, int64_t stride, int64_t nb, const int8_
         const __m512 dar = _mm512_set1_ps(da[r * nb + b]);
         const int32_t half_sum = hs[r * 2 * nb + 2 * b + half];
         if constexpr (kSym || kBook) {
-          // The IQ4 book's +128 comes off as 128 x the block's activation sum: tile_dot's integers.
+          // The book's +128 comes off as 128 x the block's activation sum: tile_dot's integers.
           const int32_t off_sum =
               kBook ? 128 * (hs[r * 2 * nb + 2 * b] + hs[r * 2 * nb + 2 * b + 1]) : sym_offset(kType) * half_sum;
           const __m512i off = _mm512_set1_epi32(off_sum);
@@ -489,6 +491,7 @@ void quant_tiles(int64_t qtype, int64_t g0, int64_t g1, int64_t m, const uint8_t
     case kQ6_K: PAGEDSERVE_RUN(kQ6_K); break;
     case kIQ4_NL: PAGEDSERVE_RUN(kIQ4_NL); break;
     case kIQ4_XS: PAGEDSERVE_RUN(kIQ4_XS); break;
+    case kMXFP4: PAGEDSERVE_RUN(kMXFP4); break;
 #undef PAGEDSERVE_RUN
     default: TORCH_CHECK(false, "quant_tiles: qtype ", qtype, " has no int8 form");
   }

@@ -13,6 +13,10 @@
 //     16 int8 from -127 to 113)                     w = d * book[q]
 //   IQ4_XS (23): super-blocks of 256, fp16 d, a 6-bit scale s per block (stored s + 32), nibbles
 //     as IQ4_NL's                                   w = (d * s) * book[q]
+//   MXFP4 (39): an E8M0 scale byte e (2^(e - 127)), 16 bytes of nibbles, each an E2M1 code
+//     (sign, 2 exponent bits, 1 mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6)  w = 2^(e - 127) * fp4[q]
+//     = 2^(e - 128) * book[q], book = the codes doubled (ggml's kvalues_mxfp4: 0, 1, 2, 3, 4, 6, 8, 12
+//     and their negatives), so that the book is small integers as IQ4_NL's is
 //   F16 (1), BF16 (30): the weights as stored, 2 bytes each, no scale (a "block" is 32 of them)
 // A block covers 32 consecutive input values of one output row; in a 4-bit block byte j
 // holds value j in its low nibble and value j + 16 in its high nibble.
@@ -30,7 +34,7 @@ constexpr int64_t kTileCols = 8;  // output columns interleaved in a packed tile
 
 enum QType : int64_t {
   kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13,
-  kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23, kBF16 = 30
+  kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23, kBF16 = 30, kMXFP4 = 39
 };
 
 // How quant_repack lays out a type's weights for 8 output columns: per super-block (256
@@ -52,7 +56,10 @@ enum QType : int64_t {
 //               16-31][2-bit codes as Q3_K]
 //   IQ4_NL:     [8 fp16 d][nibbles as Q4]
 //   IQ4_XS:     header [8 fp16 d]; tile [8 int8 s][nibbles as Q4]
-// (so each packs into the bytes of its file, +3.6% for Q3_K: no type grows past its bits)
+//   MXFP4:      [8 bf16 d = 2^(e - 128), the book's half scale][nibbles as Q4] (bf16 holds every
+//               2^(e - 128), e = 0 .. 255, exactly: 8 bits of exponent and, for e < 2, a subnormal)
+// (so each packs into the bytes of its file, +3.6% for Q3_K and +5.9% for MXFP4, whose scale
+// byte grows to bf16: no type grows past its bits)
 //   F16, BF16:  tile [32 x 16: row k holds value k of the 8 columns, 2 bytes each]
 // (F16 and BF16 values widen to fp32 exactly, so their weights too are the fp32 numbers the
 // file defines; nothing multiplies them.)
@@ -79,6 +86,7 @@ constexpr PackedLayout packed_layout(int64_t qtype) {
     case kQ3_K: return {8, 16, 16 + 64 + 32, 110};
     case kQ2_K: return {8, 32, 16 + 64, 84};
     case kIQ4_NL: return {1, 0, 16 + 128, 18};
+    case kMXFP4: return {1, 0, 16 + 128, 17};
     case kIQ4_XS: return {8, 16, 8 + 128, 136};
     case kF16:
     case kBF16: return {1, 0, 32 * 16, 64};
@@ -97,26 +105,35 @@ constexpr int hi_bits(int64_t qtype) {
 constexpr bool per_half(int64_t qtype) { return qtype == kQ2_K || qtype == kQ3_K || qtype == kQ6_K; }
 constexpr int sym_offset(int64_t qtype) { return qtype == kQ6_K ? 32 : qtype == kQ3_K ? 4 : 0; }
 constexpr int64_t scale_bytes(int64_t qtype) {
-  return qtype == kIQ4_NL ? 16 : qtype == kIQ4_XS ? 8 : packed_layout(qtype).blocks == 1 ? 32 : 16;
+  return qtype == kIQ4_NL || qtype == kMXFP4 ? 16 : qtype == kIQ4_XS ? 8 : packed_layout(qtype).blocks == 1 ? 32 : 16;
 }
-// The types whose nibbles index the IQ4 code book (no min: w = d * book[q]).
-constexpr bool is_book(int64_t qtype) { return qtype == kIQ4_NL || qtype == kIQ4_XS; }
-// llama.cpp's IQ4 code book (ggml-common.h kvalues_iq4nl).
+// The types whose nibbles index a code book (no min: w = d * book[q]): the IQ4 book, or
+// MXFP4's doubled E2M1 codes.
+constexpr bool is_book(int64_t qtype) { return qtype == kIQ4_NL || qtype == kIQ4_XS || qtype == kMXFP4; }
+// llama.cpp's IQ4 code book (ggml-common.h kvalues_iq4nl) and MXFP4's (kvalues_mxfp4: E2M1
+// codes 0-7 times 2, then the same negated; code 8 is -0, which adds as 0 does).
 inline constexpr int8_t kIq4Book[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-// The book as 16 fp32 (the fp32 op's lookup) and as bytes + 128 (the VNNI op's unsigned side).
-struct Iq4Tables {
+inline constexpr int8_t kMxfp4Book[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+// A book as 16 fp32 (the fp32 op's lookup), int8 (the AVX2 int8 op's) and bytes + 128 (the
+// VNNI op's unsigned side).
+struct BookTables {
   alignas(64) float f32[16];
+  alignas(16) int8_t i8[16];
   alignas(16) uint8_t u8[16];
 };
-constexpr Iq4Tables iq4_tables() {
-  Iq4Tables t{};
+constexpr BookTables book_tables(const int8_t (&book)[16]) {
+  BookTables t{};
   for (int i = 0; i < 16; ++i) {
-    t.f32[i] = kIq4Book[i];
-    t.u8[i] = static_cast<uint8_t>(kIq4Book[i] + 128);
+    t.f32[i] = book[i];
+    t.i8[i] = book[i];
+    t.u8[i] = static_cast<uint8_t>(book[i] + 128);
   }
   return t;
 }
-inline constexpr Iq4Tables kIq4 = iq4_tables();
+inline constexpr BookTables kIq4 = book_tables(kIq4Book);
+inline constexpr BookTables kMxfp4 = book_tables(kMxfp4Book);
+// The book a type's nibbles index.
+constexpr const BookTables& book_of(int64_t qtype) { return qtype == kMXFP4 ? kMxfp4 : kIq4; }
 
 // Weights stored as 16-bit floats: read by the fp32 op only (there is no int8 form of them).
 constexpr bool is_half(int64_t qtype) { return qtype == kF16 || qtype == kBF16; }

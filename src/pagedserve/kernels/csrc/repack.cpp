@@ -206,6 +206,25 @@ void pack_iq4_nl(const uint8_t* src, uint8_t* dst, int j) {
   put_codes(dst, 16, 4, 0, j, q);
 }
 
+// bf16 bits of MXFP4's half scale 2^(e - 128) for an E8M0 byte e (ggml's
+// ggml_e8m0_to_fp32_half): a normal number's exponent field e - 1, or for e < 2 a subnormal.
+inline uint16_t e8m0_half_bf16(uint8_t e) {
+  return e < 2 ? static_cast<uint16_t>(0x0020 << e) : static_cast<uint16_t>((e - 1) << 7);
+}
+
+// MXFP4's block: the E8M0 byte as the book's half scale, then the nibbles (indices into the
+// doubled E2M1 book), laid out as IQ4_NL's.
+void pack_mxfp4(const uint8_t* src, uint8_t* dst, int j) {
+  uint8_t q[kBlock];
+  const uint16_t d = e8m0_half_bf16(src[0]);
+  std::memcpy(dst + 2 * j, &d, 2);
+  for (int i = 0; i < 16; ++i) {
+    q[i] = src[1 + i] & 0x0F;
+    q[i + 16] = src[1 + i] >> 4;
+  }
+  put_codes(dst, 16, 4, 0, j, q);
+}
+
 // Block s's 6-bit scale: nibble s % 2 of scales_l[s / 2], top bits 2s, 2s + 1 of
 // scales_h; its nibbles as IQ4_NL's, at qs + 16 s (ggml's dequantize_row_iq4_xs).
 void pack_iq4_xs(const uint8_t* src, uint8_t* dst, int j, const PackedLayout& L) {
@@ -264,6 +283,7 @@ void pack_column(int64_t qtype, const uint8_t* src, uint8_t* dst, int j) {
     case kQ3_K: return pack_q3_k(src, dst, j, L);
     case kIQ4_NL: return pack_iq4_nl(src, dst, j);
     case kIQ4_XS: return pack_iq4_xs(src, dst, j, L);
+    case kMXFP4: return pack_mxfp4(src, dst, j);
     case kQ2_K: return pack_q2_k(src, dst, j, L);
   }
 }
@@ -276,8 +296,8 @@ void pack_column(int64_t qtype, const uint8_t* src, uint8_t* dst, int j) {
 at::Tensor quant_repack(const std::vector<at::Tensor>& parts, int64_t qtype) {
   const PackedLayout L = packed_layout(qtype);
   TORCH_CHECK(L.blocks != 0, "quant_repack: qtype must be a GGML type id of F16 (1), Q4_0 (2), Q4_1 (3), Q5_0 (6), "
-              "Q5_1 (7), Q8_0 (8), Q2_K (10), Q3_K (11), Q4_K (12), Q5_K (13), Q6_K (14), IQ4_NL (20), IQ4_XS (23) or "
-              "BF16 (30), got ", qtype);
+              "Q5_1 (7), Q8_0 (8), Q2_K (10), Q3_K (11), Q4_K (12), Q5_K (13), Q6_K (14), IQ4_NL (20), IQ4_XS (23), "
+              "BF16 (30) or MXFP4 (39), got ", qtype);
   TORCH_CHECK(!parts.empty(), "quant_repack: no blocks");
   const int64_t row_bytes = parts[0].dim() == 2 ? parts[0].size(1) : -1;
   std::vector<const uint8_t*> rows;  // each row's blocks, in the stacked order
@@ -334,9 +354,10 @@ void unpack_lane(int64_t qtype, const uint8_t* hdr, const uint8_t* tile, int j, 
     if (hi == 2) q |= ((codes[128 + 32 * (v / 2) + 4 * j + t % 4] >> (4 * (v % 2) + 2 * high)) & 3) << 4;
     float d, m;
     if (is_book(qtype)) {
-      d = L.blocks == 1 ? _cvtsh_ss(load_u16(tile + 2 * j))
-                        : _cvtsh_ss(load_u16(hdr + 2 * j)) * static_cast<float>(static_cast<int8_t>(tile[j]));
-      out[i] = d * kIq4.f32[q];
+      d = qtype == kMXFP4 ? bf16_to_float(load_u16(tile + 2 * j))
+          : L.blocks == 1 ? _cvtsh_ss(load_u16(tile + 2 * j))
+                          : _cvtsh_ss(load_u16(hdr + 2 * j)) * static_cast<float>(static_cast<int8_t>(tile[j]));
+      out[i] = d * book_of(qtype).f32[q];
       continue;
     }
     if (L.blocks == 1) {
