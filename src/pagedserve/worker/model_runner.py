@@ -121,6 +121,9 @@ class ModelRunner:
             raise ValueError(f"{model.config.architecture} has sliding-window or soft-capped attention layers, which "
                              f"the {self.backend.name} attention backend lacks; use the native or cpu backend "
                              "(the paged KV layout)")
+        if not self.backend.attention_sinks and any(layer.sinks is not None for layer in model.layers):
+            raise ValueError(f"{model.config.architecture} has attention sinks, which the {self.backend.name} "
+                             "attention backend lacks; use the native or cpu backend")
         # The worker half of a KV connector (disaggregated prefill/decode), or None.
         self.kv_connector = kv_connector
         if kv_connector is not None:
