@@ -14,7 +14,6 @@ from model_utils import prefill_logits
 from pagedserve import SamplingParams
 from pagedserve.model.loader import load_model
 from pagedserve.model.moe import ExpertStack, group_by_expert, route
-from pagedserve.model.moe_config import MoEConfig
 from pagedserve.sampling_params import StructuredOutputs
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -99,12 +98,12 @@ def test_grouping_by_expert_keeps_token_order_within_each_expert():
 def test_routing_renormalises_only_when_asked():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     probs = torch.softmax(logits, -1)[0]
-    w, e = route(logits, MoEConfig(4, 2, 8, False, (0,)))
+    w, e = route(logits, 2, normalize=False)
     assert e.tolist() == [[0, 1]] and w[0].tolist() == pytest.approx(probs[:2].tolist())
-    w, _ = route(logits, MoEConfig(4, 2, 8, True, (0,)))
+    w, _ = route(logits, 2, normalize=True)
     assert w[0].tolist() == pytest.approx((probs[:2] / probs[:2].sum()).tolist())
     # gpt-oss: the top k logits, then a softmax over those k alone.
-    w, e = route(logits + torch.tensor([[0.0, 0.0, 0.0, 5.0]]), MoEConfig(4, 2, 8, True, (0,), softmax_after_top_k=True))
+    w, e = route(logits + torch.tensor([[0.0, 0.0, 0.0, 5.0]]), 2, normalize=True, softmax_after_top_k=True)
     assert e.tolist() == [[3, 0]] and w[0].tolist() == pytest.approx(torch.softmax(torch.tensor([4.0, 2.0]), 0).tolist())
 
 

@@ -35,14 +35,15 @@ from .moe_config import MoEConfig
 from .quant import ACTIVATIONS, NATIVE_TYPES, pack, quantize_blocks, type_name
 
 
-def route(logits: torch.Tensor, config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, normalize: bool, softmax_after_top_k: bool = False
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights fp32 [T, k], expert ids int64 [T, k])."""
-    if config.softmax_after_top_k:
-        top, experts = torch.topk(logits.float(), config.top_k, dim=-1)
+    if softmax_after_top_k:  # gpt-oss: its k weights sum to 1 by construction
+        top, experts = torch.topk(logits.float(), top_k, dim=-1)
         return torch.softmax(top, dim=-1), experts
     probs = torch.softmax(logits.float(), dim=-1)
-    weights, experts = torch.topk(probs, config.top_k, dim=-1)
-    if config.normalize_top_k:
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
 
@@ -162,7 +163,8 @@ class MoE(nn.Module):
         return self.on_blocks() and self.config.activation == "silu" and not self.config.biases
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = route(self.router(x), self.config)
+        c = self.config
+        weights, experts = route(self.router(x), c.top_k, c.normalize_top_k, c.softmax_after_top_k)
         if self.fused_op():
             g, u, d = self.gate, self.up, self.down
             op = torch.ops.pagedserve.moe_experts_int8 if self.blocks_arithmetic() == "int8" \
