@@ -49,7 +49,7 @@ def default_config(model_type: str) -> dict[str, Any]:
 
 def test_every_architecture_is_walked():
     assert {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "phi3", "gemma2",
-            "gemma3_text"} <= set(HF_MODEL_TYPES)
+            "gemma3_text", "gpt_oss"} <= set(HF_MODEL_TYPES)
 
 
 @pytest.mark.parametrize("model_type", HF_MODEL_TYPES)

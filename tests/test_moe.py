@@ -102,6 +102,9 @@ def test_routing_renormalises_only_when_asked():
     assert e.tolist() == [[0, 1]] and w[0].tolist() == pytest.approx(probs[:2].tolist())
     w, _ = route(logits, 2, normalize=True)
     assert w[0].tolist() == pytest.approx((probs[:2] / probs[:2].sum()).tolist())
+    # gpt-oss: the top k logits, then a softmax over those k alone.
+    w, e = route(logits + torch.tensor([[0.0, 0.0, 0.0, 5.0]]), 2, normalize=True, softmax_after_top_k=True)
+    assert e.tolist() == [[3, 0]] and w[0].tolist() == pytest.approx(torch.softmax(torch.tensor([4.0, 2.0]), 0).tolist())
 
 
 @pytest.fixture(scope="module")

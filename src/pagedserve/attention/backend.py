@@ -10,6 +10,10 @@ query see only the keys less than `window` positions before it (a sliding-window
 the cache keeps every key, the window only masks), and `softcap` > 0 caps each scaled
 score as softcap * tanh(score / softcap) before the softmax. Backends that have them say
 so with `masks = True`; the others refuse a layer that needs them (refuse_masks).
+
+gpt-oss adds `sinks`: one learned logit per query head [num_heads] that joins every row's
+softmax denominator and has no value, so a row may give less than all its weight to the
+keys. Every backend with `attention_sinks = True` takes it; the others refuse it by name.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from .metadata import AttentionMetadata
 class AttentionBackend(Protocol):
     name: str
     masks: bool  # takes window and softcap
+    attention_sinks: bool  # takes sinks
 
     def prepare(self, meta: AttentionMetadata) -> object:
         """Work shared by every layer of the step `meta` describes (index building,
@@ -41,6 +46,7 @@ class AttentionBackend(Protocol):
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         """Store k/v at meta.slot_mapping, then attend over each sequence's context."""
         ...
@@ -60,16 +66,22 @@ class PlannedBackend(ABC, Generic[PlanT]):
 
     name: str
     masks: bool
+    attention_sinks: bool
 
     def __init__(self) -> None:
         self._plan: PlanT | None = None
 
     def start_forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, window: int,
-                      softcap: float) -> PlanT:
+                      softcap: float, sinks: torch.Tensor | None = None) -> PlanT:
         """The step's plan, once the layer's options and q have passed the checks every
         forward makes before it touches the cache."""
         if not self.masks:
             refuse_masks(self.name, window, softcap)
+        if sinks is not None:
+            if not self.attention_sinks:
+                raise ValueError(f"the {self.name} attention backend has no attention sinks (gpt-oss); "
+                                 "use the native or cpu backend")
+            check_sinks(q, sinks)
         check_step(q, kv_cache, meta)
         return self.prepare(meta)
 
@@ -87,6 +99,13 @@ def refuse_masks(backend: str, window: int, softcap: float) -> None:
     if window or softcap:
         raise ValueError(f"the {backend} attention backend has no sliding window or logit soft-capping "
                          f"(window={window}, softcap={softcap}); use the native or cpu backend")
+
+
+def check_sinks(q: torch.Tensor, sinks: torch.Tensor) -> None:
+    """ValueError unless `sinks` is one logit per query head of q."""
+    if not sinks.is_floating_point() or sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must be a float tensor [{q.shape[1]}] (one per query head), "
+                         f"got {sinks.dtype} {tuple(sinks.shape)}")
 
 
 def check_step(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -127,20 +146,23 @@ class ReferenceBackend:
 
     name = "reference"
     masks = True
+    attention_sinks = True
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Nothing to share: each sequence is attended on its own."""
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, window: int = 0,
-                softcap: float = 0.0) -> torch.Tensor:
+                softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if sinks is not None:
+            check_sinks(q, sinks)
         write_kv(k, v, kv_cache, meta.slot_mapping)
-        return attend_each_sequence(q, kv_cache, meta, scale, window, softcap)
+        return attend_each_sequence(q, kv_cache, meta, scale, window, softcap, sinks)
 
 
 def attend_each_sequence(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                         window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                         window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Every sequence's new rows over its cached context (stored already), one explicit
-    score matrix at a time: the oracle, and the torch path for windows and soft-capping."""
+    score matrix at a time: the oracle, and the torch path for windows, soft-capping and sinks."""
     if window < 0 or softcap < 0:
         raise ValueError(f"window and softcap must be >= 0 (0: none), got {window} and {softcap}")
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -165,6 +187,10 @@ def attend_each_sequence(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attentio
         if window:
             hidden |= k_pos <= q_pos - window
         scores = scores.masked_fill(hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:  # a column with no value: its share of each row's weight is dropped
+            sink_column = sinks.to(scores.dtype).view(-1, 1, 1).expand(-1, qlen, 1)
+            probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[starts[i] : starts[i] + qlen] = (probs @ vals).transpose(0, 1).reshape(qlen, -1)
     return out

@@ -15,8 +15,11 @@ is gathered and no block table is walked:
 tables of consecutive blocks it reads each context as one sequential stream, with all
 queries of the step in one parallel call (the per-sequence torch calls cost ~0.1 ms each
 per layer), and a row's bits do not depend on how its prompt was chunked
-(attention/native_backend.py says why that matters). docs/kv-layouts.md has the
-measurements.
+(attention/native_backend.py says why that matters); it takes the op's sliding windows,
+soft-capping and attention sinks too. docs/kv-layouts.md has the measurements.
+
+The torch path has no sliding window or soft-capping (refused); a layer with attention
+sinks (gpt-oss) takes backend.attend_each_sequence there, through the consecutive tables.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import torch.nn.functional as F
 
 from ..core.kv_tensor_layout import KVTensorLayout
 from ..kernels import native_unavailable_reason
-from .backend import PlannedBackend, write_kv
+from .backend import PlannedBackend, attend_each_sequence, write_kv
 from .cpu_backend import attend_chunk
 from .metadata import AttentionMetadata
 
@@ -67,14 +70,18 @@ class ContiguousAttention(PlannedBackend[ContiguousStepPlan]):
     name = "contiguous"
     short_below = 2
     masks = False
+    attention_sinks = True
 
     def _make_plan(self, meta: AttentionMetadata) -> ContiguousStepPlan:
         return plan_step(meta, self.short_below)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-        plan = self.start_forward(q, kv_cache, meta, window, softcap)
-        self._write(k, v, kv_cache, meta)
+                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        plan = self.start_forward(q, kv_cache, meta, window, softcap, sinks)
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        if sinks is not None:  # torch's flash kernel has no sink column
+            return attend_each_sequence(q, kv_cache, meta, scale, window, softcap, sinks)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         flat = KVTensorLayout.of(kv_cache).slot_rows(kv_cache)
         self._attend_short(plan, q, kv_cache, flat, out, scale)
@@ -82,9 +89,6 @@ class ContiguousAttention(PlannedBackend[ContiguousStepPlan]):
             context = _fp32(flat[:, base : base + seq_len - qlen]) if seq_len > qlen else None
             attend_chunk(start, qlen, q, k, v, context, kv_cache.dtype, out, scale)
         return out
-
-    def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        write_kv(k, v, kv_cache, meta.slot_mapping)
 
     def _attend_short(self, plan: ContiguousStepPlan, q: torch.Tensor, kv_cache: torch.Tensor, flat: torch.Tensor,
                       out: torch.Tensor, scale: float) -> None:
@@ -103,6 +107,7 @@ class NativeContiguousAttention(ContiguousAttention):
 
     name = "contiguous-native"
     short_below = sys.maxsize  # no query is long enough for the torch chunk path
+    masks = True
 
     def __init__(self) -> None:
         reason = native_unavailable_reason()
@@ -110,14 +115,17 @@ class NativeContiguousAttention(ContiguousAttention):
             raise ValueError(f"the contiguous-native attention backend cannot run: {reason}")
         super().__init__()
 
-    def _write(self, k, v, kv_cache, meta) -> None:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        plan = self.start_forward(q, kv_cache, meta, window, softcap, sinks)
         torch.ops.pagedserve.write_kv_(kv_cache, k, v, meta.slot_mapping)
-
-    def _attend_short(self, plan, q, kv_cache, flat, out, scale) -> None:
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         if plan.short:
-            meta = plan.meta
-            torch.ops.pagedserve.paged_attention_(
-                out, q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, plan.short_seqs, scale)
+            torch.ops.pagedserve.paged_attention_(out, q, kv_cache, meta.block_tables, meta.query_start_loc,
+                                                  meta.seq_lens, plan.short_seqs, scale, window, softcap,
+                                                  None if sinks is None else sinks.float().contiguous())
+        return out
 
 
 def _fp32(kv: torch.Tensor | None) -> torch.Tensor | None:

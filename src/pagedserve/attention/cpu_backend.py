@@ -105,9 +105,10 @@ class CpuPagedAttention(PlannedBackend[StepPlan]):
     """
 
     name = "cpu"
-    # A sliding-window or soft-capped layer takes the explicit per-sequence path
-    # (backend.attend_each_sequence): torch's flash kernel has neither option.
+    # A sliding-window, soft-capped or sink layer takes the explicit per-sequence path
+    # (backend.attend_each_sequence): torch's flash kernel has none of these options.
     masks = True
+    attention_sinks = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -126,11 +127,12 @@ class CpuPagedAttention(PlannedBackend[StepPlan]):
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        plan = self.start_forward(q, kv_cache, meta, window, softcap)
+        plan = self.start_forward(q, kv_cache, meta, window, softcap, sinks)
         write_kv(k, v, kv_cache, meta.slot_mapping)
-        if window or softcap:
-            return attend_each_sequence(q, kv_cache, meta, scale, window, softcap)
+        if window or softcap or sinks is not None:
+            return attend_each_sequence(q, kv_cache, meta, scale, window, softcap, sinks)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         workspace = self._workspace_for(kv_cache, plan.max_gathered_blocks)
         for group in plan.groups:

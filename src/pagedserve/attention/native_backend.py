@@ -39,6 +39,7 @@ class NativePagedAttention(PlannedBackend[NativeStepPlan]):
 
     name = "native"
     masks = True
+    attention_sinks = True
 
     def __init__(self) -> None:
         reason = native_unavailable_reason()
@@ -54,12 +55,13 @@ class NativePagedAttention(PlannedBackend[NativeStepPlan]):
         return NativeStepPlan(meta, torch.tensor(seqs, dtype=torch.int64))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-        plan = self.start_forward(q, kv_cache, meta, window, softcap)
+                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        plan = self.start_forward(q, kv_cache, meta, window, softcap, sinks)
         torch.ops.pagedserve.write_kv_(kv_cache, k, v, meta.slot_mapping)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         if plan.seqs.numel():
             torch.ops.pagedserve.paged_attention_(
                 out, q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, plan.seqs, scale,
-                window, softcap)
+                window, softcap, None if sinks is None else sinks.float().contiguous())
         return out

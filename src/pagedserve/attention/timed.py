@@ -15,14 +15,16 @@ class TimedBackend:
         self.inner = inner
         self.name = inner.name
         self.masks = inner.masks
+        self.attention_sinks = inner.attention_sinks
         self.seconds = 0.0
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self.inner.prepare(meta)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         t0 = time.perf_counter()
-        out = self.inner.forward(q, k, v, kv_cache, meta, scale, window, softcap)
+        out = self.inner.forward(q, k, v, kv_cache, meta, scale, window, softcap, sinks)
         self.seconds += time.perf_counter() - t0
         return out

@@ -40,6 +40,7 @@ class TritonPagedAttention(PlannedBackend[TritonStepPlan]):
 
     name = TRITON_BACKEND
     masks = False
+    attention_sinks = False  # refused by start_forward: its kernel has no sink column
 
     def __init__(self, decode_segments: int | None = None) -> None:
         reason = triton_unavailable_reason()
@@ -58,8 +59,9 @@ class TritonPagedAttention(PlannedBackend[TritonStepPlan]):
         return TritonStepPlan(meta, meta.max_query_len)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-        plan = self.start_forward(q, kv_cache, meta, window, softcap)
+                meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        plan = self.start_forward(q, kv_cache, meta, window, softcap, sinks)
         self._check_inputs(q, k, v, kv_cache, meta)
         segments = self._kernels.num_segments(meta.num_seqs, KVTensorLayout.of(kv_cache).num_kv_heads,
                                               plan.max_query_len,

@@ -3,7 +3,9 @@
 One config (and one model file) covers Llama, Mistral, Qwen2 and Qwen3: they differ
 only in flags (q/k/v bias, q/k RMSNorm, RoPE scaling, tied head). Phi-3/4 and Gemma 2/3
 add sliding windows, soft-capping and partial RoPE, read by model/variants.py; Gemma's
-layers run in model/gemma.py.
+layers run in model/gemma.py. gpt-oss is the Llama layer with biases on all four attention
+projections, attention sinks, alternating sliding and full layers, and its own experts
+(model/moe_config.py); docs/gpt-oss.md.
 """
 from __future__ import annotations
 
@@ -60,7 +62,9 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    attention_bias: bool = False  # Qwen2, gpt-oss: bias on q/k/v projections
+    o_bias: bool = False  # gpt-oss: bias on the attention's output projection
+    attention_sinks: bool = False  # gpt-oss: a learned logit per query head in every softmax (attention/backend.py)
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before RoPE
     # RoPE scaling, normalised by model/rope.py (which documents the types). A llama3 GGUF
     # carries the same information as a `rope_freqs` tensor of per-dimension divisors instead.

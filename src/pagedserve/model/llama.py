@@ -1,5 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, and with experts Mixtral, Qwen3-MoE and
-OLMoE: model/moe.py) as one model with flags.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, and with experts Mixtral, Qwen3-MoE,
+OLMoE and gpt-oss: model/moe.py) as one model with flags.
 
 The forward takes a flattened batch: the new tokens of every sequence of a step,
 laid end to end, with their positions. Attention goes through a backend object
@@ -149,10 +149,12 @@ def _linear(n_in: int, n_out: int, bias: bool = False) -> Linear:
     return Linear(n_in, n_out, bias=bias).requires_grad_(False)
 
 
-def packed_linear(weight: torch.Tensor) -> Linear:
-    """A bias-free Linear over `weight` [out, in], prepacked for oneDNN (an fp32 MoE expert)."""
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    """A Linear over `weight` [out, in] (and `bias` [out]), prepacked for oneDNN (an fp32 MoE expert)."""
     layer = Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     layer.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias, requires_grad=False)
     layer.pack()
     return layer
 
@@ -178,11 +180,14 @@ class DecoderLayer(nn.Module):
         q_dim, k_dim = (self.q_size, self.kv_size) if config.qk_norm_whole else (d, d)
         self.q_norm = RMSNorm(q_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(k_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.o = _linear(self.q_size, h)
+        self.o = _linear(self.q_size, h, bias=config.o_bias)
+        # gpt-oss: one logit per query head in every row's softmax, with no value (attention/backend.py).
+        self.sinks = nn.Parameter(torch.empty(config.num_heads), requires_grad=False) \
+            if config.attention_sinks else None
         self.ffn_norm = RMSNorm(h, config.rms_norm_eps)
         # A sparse layer's MLP is the experts; it has no dense gate_up and down.
         sparse = config.moe is not None and index in config.moe.sparse_layers
-        self.moe = MoE(config.moe, h, _linear(h, config.moe.num_experts)) if sparse else None
+        self.moe = MoE(config.moe, h, _linear(h, config.moe.num_experts, bias=config.moe.biases)) if sparse else None
         self.gate_up = None if sparse else _linear(h, 2 * config.intermediate_size)
         self.down = None if sparse else _linear(config.intermediate_size, h)
 
@@ -229,7 +234,8 @@ class DecoderLayer(nn.Module):
         else:  # partial RoPE: the other dims pass through
             q = torch.cat([apply_rotary(q[..., :r], cos, sin), q[..., r:]], dim=-1)
             k = torch.cat([apply_rotary(k[..., :r], cos, sin), k[..., r:]], dim=-1)
-        attn = backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale, self.window, self.softcap)
+        attn = backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale, self.window, self.softcap,
+                               self.sinks)
         out = self.o(attn)
         if lora is not None:
             lora[0].add(lora[1], "o", attn, out)
@@ -301,7 +307,7 @@ class LlamaModel(nn.Module):
             if path == "embed":
                 self.embed = QuantEmbedding(blocks, qtype)
             elif isinstance(blocks, torch.Tensor) and blocks.dim() == 3:  # [experts, rows, row bytes]: experts
-                self.set_submodule(path, QuantExperts(blocks, qtype, arithmetic(qtype, quantization)))
+                self.set_submodule(path, QuantExperts(blocks, qtype, arithmetic(qtype, quantization), bias))
             elif isinstance(qtype, tuple):  # parts (q, k, v), packed a run of one type at a time
                 layers, row = [], 0
                 for t, run in groupby(zip(blocks, qtype), key=lambda part: part[1]):

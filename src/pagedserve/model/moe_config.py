@@ -7,15 +7,23 @@ are renormalised to sum to 1 (Mixtral always; Qwen3-MoE and OLMoE as their confi
 `norm_topk_prob` says), each expert's intermediate size (Qwen3-MoE's
 `moe_intermediate_size`; the others' `intermediate_size`), and which layers are sparse
 (Qwen3-MoE's `decoder_sparse_step` and `mlp_only_layers` leave some dense).
+
+gpt-oss routes and computes otherwise, each a setting here: its router has a bias and
+takes the top k logits before a softmax over those k (`softmax_after_top_k`), every expert
+matrix has a bias (`biases`), and its experts apply a clamped SwiGLU (`activation`
+"clamped_swiglu", with `swiglu_alpha` and `swiglu_limit`; model/moe.py computes it).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 MAX_EXPERTS = 1 << 12  # far above any released MoE (DeepSeek-V3: 256)
 MAX_EXPERT_SIZE = 1 << 18
+# Each expert's gated activation: SiLU(gate) x up, or gpt-oss's clamped SwiGLU.
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
 
 
 @dataclass(frozen=True)
@@ -25,6 +33,11 @@ class MoEConfig:
     expert_size: int  # each expert's intermediate size
     normalize_top_k: bool  # the k selected probabilities divided by their sum
     sparse_layers: tuple[int, ...]  # the layers whose MLP is the experts; the others are dense
+    softmax_after_top_k: bool = False  # gpt-oss: the top k logits, then a softmax over them
+    biases: bool = False  # gpt-oss: a bias on the router and on every expert matrix
+    activation: str = "silu"  # EXPERT_ACTIVATIONS
+    swiglu_alpha: float | None = None  # clamped_swiglu: glu = gate * sigmoid(alpha * gate)
+    swiglu_limit: float | None = None  # clamped_swiglu: gate <= limit, -limit <= up <= limit
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sparse_layers", tuple(int(i) for i in self.sparse_layers))
@@ -33,6 +46,13 @@ class MoEConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"activation must be one of {EXPERT_ACTIVATIONS}, got {self.activation!r}")
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            value = getattr(self, name)
+            if self.activation == "clamped_swiglu" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                                        or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{name} must be a finite number > 0 for the clamped SwiGLU, got {value!r}")
 
     def check_layers(self, num_layers: int) -> None:
         bad = [i for i in self.sparse_layers if not 0 <= i < num_layers]
@@ -48,6 +68,7 @@ _HF_KEYS = {
     "mixtral": ("num_local_experts", "intermediate_size", True),
     "qwen3_moe": ("num_experts", "moe_intermediate_size", False),
     "olmoe": ("num_experts", "intermediate_size", False),
+    "gpt_oss": ("num_local_experts", "intermediate_size", True),
 }
 
 
@@ -63,6 +84,11 @@ def moe_from_hf(cfg: dict[str, Any], arch: str, num_layers: int) -> MoEConfig | 
     step = int(cfg.get("decoder_sparse_step") or 1)
     dense = set(cfg.get("mlp_only_layers") or [])
     sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    if arch == "gpt_oss":  # a softmax over the k chosen logits sums to 1 by itself
+        return MoEConfig(experts, int(cfg["num_experts_per_tok"]), int(cfg[size_key]), True, sparse,
+                         softmax_after_top_k=True, biases=True, activation="clamped_swiglu",
+                         swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                         swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
     return MoEConfig(experts, int(cfg["num_experts_per_tok"]), int(cfg[size_key]), normalize, sparse)
 
 

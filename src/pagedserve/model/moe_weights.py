@@ -7,6 +7,11 @@ down}_exps`, the same for llama (Mixtral), qwen3moe and olmoe); a Hugging Face c
 stores one matrix per expert (Mixtral's `block_sparse_moe.experts.N.w1/w3/w2`, Qwen3-MoE's
 and OLMoE's `mlp.experts.N.gate_proj/up_proj/down_proj`), or transformers 5's fused
 `mlp.experts.gate_up_proj` / `down_proj` stacks, which are stacked here.
+
+gpt-oss stores its stacks transposed, [E, hidden, 2 x expert size] with gate and up
+interleaved (gate the even columns, up the odd ones) and down [E, expert size, hidden],
+each with a bias (`gate_up_proj_bias`, `down_proj_bias`), and its router as `mlp.router`
+with a bias: they become the same four stacks, each with a `.bias`.
 """
 from __future__ import annotations
 
@@ -26,12 +31,16 @@ _PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.exper
 _KIND = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 _ROUTER = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate\.weight")
 _FUSED = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj)")
+_GPT_OSS_ROUTER = re.compile(r"model\.layers\.(\d+)\.mlp\.router\.(weight|bias)")
+_GPT_OSS_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
 
 
 def stack_hf_experts(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """`hf` with every sparse layer's experts as the four `model.layers.N.moe.*.weight` tensors."""
     if config.moe is None:
         return hf
+    if config.architecture == "gpt_oss":
+        return _stack_gpt_oss(hf)
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     for name, tensor in hf.items():
@@ -57,13 +66,39 @@ def stack_hf_experts(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
     return out
 
 
-def _name(layer: int, kind: str) -> str:
-    return f"model.layers.{layer}.moe.{kind}.weight"
+def _stack_gpt_oss(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in hf.items():
+        if m := _GPT_OSS_ROUTER.fullmatch(name):
+            out[_name(int(m.group(1)), "router", m.group(2))] = tensor
+        elif m := _GPT_OSS_EXPERTS.fullmatch(name):
+            layer, kind = int(m.group(1)), "bias" if m.group(3) else "weight"
+            # Weights [E, in, out] -> [E, out, in]; biases [E, out] as they are.
+            t = tensor if m.group(3) else tensor.transpose(1, 2)
+            if m.group(2) == "down_proj":
+                out[_name(layer, "down", kind)] = t
+            else:
+                out[_name(layer, "gate", kind)], out[_name(layer, "up", kind)] = t[:, 0::2], t[:, 1::2]
+        else:
+            out[name] = tensor
+    return out
+
+
+def _name(layer: int, kind: str, part: str = "weight") -> str:
+    return f"model.layers.{layer}.moe.{kind}.{part}"
 
 
 def expert_matrices(layer: int) -> dict[str, list[str]]:
     """A sparse layer's fused state names -> the stacked names they come from (one each)."""
     return {f"layers.{layer}.moe.{kind}.weight": [_name(layer, kind)] for kind in MATRICES}
+
+
+def expert_biases(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The fused state's router and expert biases (gpt-oss), from the stacked names."""
+    if config.moe is None or not config.moe.biases:
+        return {}
+    return {f"layers.{layer}.moe.{kind}.bias": hf[_name(layer, kind, "bias")]
+            for layer in config.moe.sparse_layers for kind in MATRICES}
 
 
 def keep_experts_whole(hf: dict[str, torch.Tensor], qtypes: dict[str, int], config: ModelConfig) -> None:

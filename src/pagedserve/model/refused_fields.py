@@ -49,7 +49,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 # Architectures that read a NEUTRAL field themselves (model/variants.py), or, Qwen2's
 # attention_bias, whose q/k/v bias transformers applies whatever the field says.
-READ_BY = {"attention_bias": ("qwen2",), "partial_rotary_factor": ("phi3",), "hidden_act": ("gemma2", "gemma3")}
+READ_BY = {"attention_bias": ("qwen2", "gpt_oss"), "partial_rotary_factor": ("phi3",), "hidden_act": ("gemma2", "gemma3")}
 
 
 def refuse_unimplemented(arch: str, cfg: dict[str, Any]) -> None:

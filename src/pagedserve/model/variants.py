@@ -14,6 +14,9 @@ into ModelConfig's fields, and what those fields mean.
 - `rope_local_theta` (Gemma 3): the RoPE base of the sliding layers (the global ones take
   `rope_theta`, with `rope_scaling`).
 - `partial_rotary_factor` (Phi-3/4): RoPE turns the first head_dim * factor dims of a head.
+- gpt-oss: `layer_types` says which layers slide (by default every other one from the first),
+  `attention_bias` biases q, k, v and o, and every layer has attention sinks (docs/gpt-oss.md).
+  An MXFP4 checkpoint (`quantization_config`) is refused: its experts are not read yet.
 
 Phi-3/4's LongRoPE (model/rope.py computes it) switches a whole sequence to other
 frequencies once it grows past the original context, which a cache of keys rotated at the
@@ -31,7 +34,7 @@ from . import rope
 if TYPE_CHECKING:  # model/config.py imports this module, and sim/ reads configs without torch
     import torch
 
-ARCHITECTURES = ("phi3", "gemma2", "gemma3")
+ARCHITECTURES = ("phi3", "gemma2", "gemma3", "gpt_oss")
 GEMMA = ("gemma2", "gemma3")
 # HF model_type -> the architecture name GGUF files use.
 HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
@@ -129,6 +132,25 @@ def _gemma(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     return fields
 
 
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _gpt_oss(cfg: dict[str, Any]) -> dict[str, Any]:
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ValueError(f"quantization_config (quant_method {method!r}) is not implemented for gpt_oss; "
+                         "load a checkpoint whose experts are float tensors")
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not implemented for gpt_oss (implemented: {LAYER_TYPES})")
+    bias = bool(cfg.get("attention_bias", True))
+    return {**_window(cfg), "sliding_layers": tuple(t == "sliding_attention" for t in types),
+            "attention_bias": bias, "o_bias": bias, "attention_sinks": True}
+
+
 _HF_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "mistral": _window,
     "mixtral": _window,
@@ -138,6 +160,7 @@ _HF_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "phi3": _phi3,
     "gemma2": lambda cfg: _gemma(cfg, "gemma2"),
     "gemma3": lambda cfg: _gemma(cfg, "gemma3"),
+    "gpt_oss": _gpt_oss,
 }
 
 

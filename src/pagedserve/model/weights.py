@@ -19,7 +19,7 @@ import torch
 from . import rope, variants
 from .config import ModelConfig
 from .gguf_file import GGUFTensor
-from .moe_weights import GGUF_EXPERT_NAMES, expert_matrices, keep_experts_whole, stack_hf_experts
+from .moe_weights import GGUF_EXPERT_NAMES, expert_biases, expert_matrices, keep_experts_whole, stack_hf_experts
 from .quant import HALF_DTYPES, HALF_TYPES, NATIVE_TYPES, dequantize_blocks, half_blocks
 
 _GGUF_LAYER_NAMES = {
@@ -178,9 +178,14 @@ def fuse_hf_tensors(hf: dict[str, torch.Tensor], config: ModelConfig, apart: Col
         sd[f"layers.{i}.ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
         if config.attention_bias:
             sd[f"layers.{i}.qkv.bias"] = torch.cat([hf[a + f"{x}_proj.bias"] for x in "qkv"])
+        if config.o_bias:
+            sd[f"layers.{i}.o.bias"] = hf[a + "o_proj.bias"]
+        if config.attention_sinks:
+            sd[f"layers.{i}.sinks"] = hf[a + "sinks"]
         if config.qk_norm:
             sd[f"layers.{i}.q_norm.weight"] = hf[a + "q_norm.weight"]
             sd[f"layers.{i}.k_norm.weight"] = hf[a + "k_norm.weight"]
+    sd.update(expert_biases(hf, config))
     variants.gemma_norms(sd, hf, config)
     return {k: [t.contiguous() for t in v] if isinstance(v, list) else v.contiguous() for k, v in sd.items()}
 

@@ -21,6 +21,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ..attention.backend import AttentionBackend
 from ..attention.metadata import AttentionMetadata, slot_mapping
 from ..attention.selector import get_backend
 from ..attention.timed import TimedBackend
@@ -65,6 +66,17 @@ class StepPeers(Protocol):
     block copies before this rank runs its own part of the forward."""
 
     def run_step(self, inputs: StepInputs | None, copies: tuple[torch.Tensor, torch.Tensor] | None) -> None: ...
+
+
+def check_attention_options(backend: AttentionBackend, model: LlamaModel) -> None:
+    """ValueError at start-up for a model whose layers need an attention option the backend lacks."""
+    if not backend.masks and any(layer.window or layer.softcap for layer in model.layers):
+        raise ValueError(f"{model.config.architecture} has sliding-window or soft-capped attention layers, which "
+                         f"the {backend.name} attention backend lacks; use the native or cpu backend "
+                         "(the paged KV layout)")
+    if not backend.attention_sinks and any(layer.sinks is not None for layer in model.layers):
+        raise ValueError(f"{model.config.architecture} has attention sinks, which the {backend.name} "
+                         "attention backend lacks; use the native or cpu backend")
 
 
 class ModelRunner:
@@ -117,10 +129,7 @@ class ModelRunner:
         # One pinned host-to-device copy per step off the CPU; on CPU the inputs stay as built.
         self._device_inputs = DeviceInputs(device) if device.type != "cpu" else None
         self.backend = get_backend(attention_backend)
-        if not self.backend.masks and any(layer.window or layer.softcap for layer in model.layers):
-            raise ValueError(f"{model.config.architecture} has sliding-window or soft-capped attention layers, which "
-                             f"the {self.backend.name} attention backend lacks; use the native or cpu backend "
-                             "(the paged KV layout)")
+        check_attention_options(self.backend, model)
         # The worker half of a KV connector (disaggregated prefill/decode), or None.
         self.kv_connector = kv_connector
         if kv_connector is not None:

@@ -43,6 +43,10 @@
 // caps every score as softcap * tanh(score / softcap) before the softmax (Gemma 2). Both act
 // on a row's scores in one function that the AVX2 and AVX-512 paths share, so the two paths
 // still give the same bits.
+// `sinks` (gpt-oss): one learned logit per query head that joins every row's softmax
+// denominator and carries no value. It enters once, where a row's merged max and sum are
+// turned into its output (write_rows), so no partition counts it twice, and the AVX2 and
+// AVX-512 paths, which share that scalar code, give the same bits with it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -51,6 +55,7 @@
 #include <atomic>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -118,6 +123,7 @@ struct Problem {
   int64_t partition_keys;  // a multiple of block_size
   int64_t window;          // sliding window in keys (a row's own included); 0: none
   float softcap;           // attention logit soft-capping; 0: none
+  const float* sinks;      // [num_heads] logits with no value in every row's softmax; nullptr: none
 };
 
 // Query tokens token_begin .. token_begin + tokens - 1 of a sequence's new tokens.
@@ -572,13 +578,25 @@ AttendFn attend_for(int64_t head_dim) {
   }
 }
 
+// 1 / a row's softmax denominator, in units of exp(row_max): its sum, plus its head's
+// sink exp(sink - row_max) where there is one. Past the keys' max the sink becomes the
+// reference (the factor exp(row_max - sink) on both terms), so a large sink cannot overflow.
+inline float row_inverse(const Problem& p, int64_t head, float row_max, float row_sum) {
+  if (row_sum <= 0.0f) return 0.0f;  // no key visible: the output is zeros either way
+  if (p.sinks == nullptr) return 1.0f / row_sum;
+  const float sink = p.sinks[head];
+  if (sink <= row_max) return 1.0f / (row_sum + std::exp(sink - row_max));
+  const float keys = std::exp(row_max - sink);
+  return keys / (row_sum * keys + 1.0f);
+}
+
 // A tile's output rows from its unnormalised ones.
-void write_rows(const Problem& p, const Tile& tile, const float* acc, const float* row_sum) {
+void write_rows(const Problem& p, const Tile& tile, const float* acc, const float* row_max, const float* row_sum) {
   const int64_t d = p.head_dim, g = p.group, start = p.query_start[tile.seq] + tile.token_begin, qlen = tile.tokens;
   for (int64_t r = 0, rows = qlen * g * p.num_kv_heads; r < rows; ++r) {
     const RowIndex ri = row_index(r, qlen, g);
     float* dst = p.out + (start + ri.token) * p.out_token_stride + ri.head * d;
-    const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
+    const float inv = row_inverse(p, ri.head, row_max[r], row_sum[r]);
     for (int64_t i = 0; i < d; ++i) dst[i] = acc[r * d + i] * inv;
   }
 }
@@ -612,7 +630,7 @@ void merge_parts(const Problem& p, const SplitGroup& sg, const float* partials, 
 // with attend_rows's, which lost the op's prefetches, so it is not known to be safe apart.
 void paged_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                       const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& seq_ids,
-                      double scale, int64_t window, double softcap) {
+                      double scale, int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(window >= 0 && softcap >= 0.0, "paged_attention_: window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "paged_attention_: float32 q and out expected");
@@ -624,6 +642,9 @@ void paged_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "paged_attention_: kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim]");
   const int64_t num_heads = q.size(1), d = q.size(2), bs = kv_cache.size(2), hkv = kv_cache.size(3);
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
+                                     sinks->size(0) == num_heads && sinks->is_contiguous()),
+              "paged_attention_: sinks must be a contiguous float32 [num_heads] tensor");
   TORCH_CHECK(kv_cache.size(4) == d && d % 8 == 0, "paged_attention_: head_dim must match the cache and be a multiple of 8");
   TORCH_CHECK(num_heads % hkv == 0, "paged_attention_: query heads must be a multiple of KV heads");
   TORCH_CHECK(bs <= kMaxBlockSize, "paged_attention_: block_size above ", kMaxBlockSize);
@@ -645,7 +666,8 @@ void paged_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
             kv_cache.stride(1), kv_cache.stride(2), kv_cache.element_size(),
             block_tables.data_ptr<int64_t>(), block_tables.stride(0), qs, sl,
             bs, hkv, g, d, static_cast<float>(scale), out.data_ptr<float>(), out.stride(0),
-            (kPartitionKeys + bs - 1) / bs * bs, window, static_cast<float>(softcap)};
+            (kPartitionKeys + bs - 1) / bs * bs, window, static_cast<float>(softcap),
+            sinks.has_value() ? sinks->data_ptr<float>() : nullptr};
 
   const int64_t* seq_index = ids.data_ptr<int64_t>();
   const int64_t n = ids.numel();
@@ -711,7 +733,7 @@ void paged_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
       const int64_t rows = it.tile.tokens * num_heads;
       if (it.group_index < 0) {
         fn(p, it.tile, it.key_begin, it.key_end, acc, row_max, row_sum, qbuf, kvbuf, scores);
-        write_rows(p, it.tile, acc, row_sum);
+        write_rows(p, it.tile, acc, row_max, row_sum);
         continue;
       }
       float* part = partials.data() + it.partial;
@@ -720,7 +742,7 @@ void paged_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
       if (remaining[it.group_index].fetch_sub(1, std::memory_order_acq_rel) == 1) {
         const SplitGroup& sg = groups[it.group_index];
         merge_parts(p, sg, partials.data(), acc, row_max, row_sum);
-        write_rows(p, sg.tile, acc, row_sum);
+        write_rows(p, sg.tile, acc, row_max, row_sum);
       }
     }
   };
@@ -736,7 +758,7 @@ void paged_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def(
       "paged_attention_(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, Tensor query_start_loc, "
-      "Tensor seq_lens, Tensor seq_ids, float scale, int window=0, float softcap=0.0) -> ()",
+      "Tensor seq_lens, Tensor seq_ids, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> ()",
       &paged_attention_);
 }
 
