@@ -80,6 +80,10 @@ def test_gpt_oss_models_without_a_template_get_harmony(tmp_path):
     (folder / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
     assert Tokenizer.from_pretrained(folder).chat_template == harmony_chat_template()
     assert detect_reasoning_parser(harmony_chat_template()) is GPT_OSS
+    gguf = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2", "tokenizer.ggml.tokens": ["a", "b"],
+            "tokenizer.ggml.merges": [], "general.architecture": "gpt-oss"}
+    assert Tokenizer.from_gguf_metadata(gguf).chat_template == harmony_chat_template()
+    assert Tokenizer.from_gguf_metadata({**gguf, "tokenizer.chat_template": "own"}).chat_template == "own"
 
 
 def test_a_harmony_vocabulary_stops_on_return_and_call_not_end(tmp_path):
@@ -128,3 +132,9 @@ def test_a_streamed_call_joins_to_the_whole():
     assert "".join(d.reasoning for d in deltas) == "Hm." and not "".join(d.content for d in deltas)
     # The header's tokens count with the section they open: all up to <|end|> is reasoning.
     assert parser.reasoning_tokens == -(-len("<|channel|>analysis<|message|>Hm.<|end|>") // 5)
+
+
+def test_a_call_cut_off_is_content():
+    text = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Pa"
+    reply = parse_reply([(text, 9)], GPT_OSS.for_prompt(""), TOOL_PARSERS["hermes"])
+    assert (reply.content, reply.calls) == ('{"city": "Pa', [])

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .reasoning_parsers import PromptReasoning
-from .tool_parsers import ToolCall, ToolCallDelta, ToolParser, join_calls
+from .tool_parsers import ToolCall, ToolCallDelta, ToolParser, is_json_object, join_calls
 
 
 @dataclass(slots=True)
@@ -65,6 +65,11 @@ def parse_reply(pieces: Sequence[tuple[str, int]], reasoning: PromptReasoning | 
     thought = "".join(d.reasoning for d in deltas) or None
     content = "".join(d.content for d in deltas)
     calls = join_calls(call for d in deltas for call in d.tool_calls)
+    if any(not is_json_object(call.arguments) for call in calls):
+        # A call cut off by max_tokens (or not JSON): its text is content, as a tool parser's
+        # calls that do not parse are, so every call returned has an object's arguments.
+        content += "".join(call.arguments for call in calls if not is_json_object(call.arguments))
+        calls = [call for call in calls if is_json_object(call.arguments)]
     if tools is not None and not own_calls:
         parsed, calls = tools.parse(content)  # whole, so a reply whose calls do not parse stays content
         content = parsed or ""

@@ -87,7 +87,7 @@ class ToolParser(ABC):
         content = "".join(d.content for d in parsed)
         if not calls:
             return text, []
-        if not all(call.name and _is_json_object(call.arguments) for call in calls):
+        if not all(call.name and is_json_object(call.arguments) for call in calls):
             return text, []
         return content or None, calls
 
@@ -103,7 +103,7 @@ def join_calls(deltas: Iterable[ToolCallDelta]) -> list[ToolCall]:
     return calls
 
 
-def _is_json_object(text: str) -> bool:
+def is_json_object(text: str) -> bool:
     try:
         return isinstance(json.loads(text), dict)
     except ValueError:
