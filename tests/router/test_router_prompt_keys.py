@@ -32,3 +32,22 @@ def test_a_valid_token_id_prompt_keeps_its_keys(keyer):
     prompt = list(range(1, 3 * BLOCK + 2))
     keys = keyer.keys("/v1/completions", json.dumps({"prompt": prompt}).encode())
     assert keys.token_ids == prompt and len(keys.hashes(BLOCK)) == 3
+
+
+def _chat_keys(keyer: PromptKeyer, path: str = "/v1/chat/completions", **fields) -> list[int]:
+    body = {"messages": [{"role": "user", "content": "Hi"}], **fields}
+    return keyer.keys(path, json.dumps(body).encode()).token_ids
+
+
+def test_chat_template_kwargs_are_part_of_the_key():
+    """enable_thinking changes what the template renders: two requests that differ only
+    there are different prompts, and a reserved variable is the replica's 400 (no keys)."""
+    template = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+                "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}"
+                "{% if reasoning_effort is defined %}{{ reasoning_effort }}{% endif %}")
+    keyer = PromptKeyer(load_model_tokenizer(None).with_chat_template(template))
+    plain = _chat_keys(keyer)
+    off = _chat_keys(keyer, chat_template_kwargs={"enable_thinking": False})
+    assert off != plain and keyer.tokenizer.decode(off) == "Hi<think></think>"
+    assert keyer.tokenizer.decode(_chat_keys(keyer, reasoning_effort="low")) == "Hilow"
+    assert _chat_keys(keyer, chat_template_kwargs={"messages": []}) == []

@@ -49,6 +49,14 @@ def test_chat_splits_reasoning_from_the_answer(oai):
         assert choice.finish_reason == "stop"
 
 
+def test_chat_usage_counts_the_reasoning_tokens(oai, reasoning_server):
+    r = oai.chat.completions.create(model="m", messages=HELLO, max_tokens=40, n=2)
+    assert r.usage.completion_tokens_details.reasoning_tokens == 2 * reasoning_server[2]  # both choices
+    chunks = list(oai.chat.completions.create(model="m", messages=HELLO, max_tokens=40, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == reasoning_server[2]
+
+
 def test_chat_stream_carries_reasoning_deltas(oai):
     reasoning, content, kinds = "", "", []
     for chunk in oai.chat.completions.create(model="m", messages=HELLO, max_tokens=40, stream=True):
@@ -177,6 +185,23 @@ def test_messages_thinking_round_trip(claude):
     turns = [*HELLO, {"role": "assistant", "content": [b.model_dump() for b in first.content]},
              {"role": "user", "content": "And again?"}]
     assert claude.messages.create(model="m", max_tokens=40, messages=turns).content[0].text == ANSWER
+
+
+def test_count_tokens_is_the_prompt_messages_renders(claude, reasoning_server):
+    """Earlier thinking blocks are left out of the prompt, and `thinking: disabled` is the
+    template switch it is in /v1/messages: count_tokens counts what that request renders."""
+    first = claude.messages.create(model="m", max_tokens=2000, messages=HELLO, thinking=THINKING)
+    blocks = [b.model_dump() for b in first.content]
+    turns = [*HELLO, {"role": "assistant", "content": blocks}, {"role": "user", "content": "And again?"}]
+    without = [*HELLO, {"role": "assistant", "content": blocks[1:]}, {"role": "user", "content": "And again?"}]
+    counts = {}
+    for name, extra in (("default", {}), ("disabled", {"thinking": {"type": "disabled"}})):
+        counted = claude.messages.count_tokens(model="m", messages=turns, **extra).input_tokens
+        used = claude.messages.create(model="m", max_tokens=40, messages=turns, **extra).usage.input_tokens
+        assert counted == used == claude.messages.count_tokens(model="m", messages=without, **extra).input_tokens
+        counts[name] = counted
+    # Qwen3's template writes an empty thinking section when told not to think; R1's ignores the switch.
+    assert (counts["disabled"] > counts["default"]) == (reasoning_server[0] == "qwen3")
 
 
 def test_messages_thinking_disabled(claude, reasoning_server):

@@ -172,7 +172,8 @@ class MessagesRequest(MessagesPrompt):
 
 
 class CountTokensRequest(MessagesPrompt):
-    pass
+    thinking: ThinkingConfig | None = Field(None, description=(
+        "As /v1/messages: disabled renders the prompt with enable_thinking false, as that request would."))
 
 
 # -- what the routes answer (documentation; serving_messages.py writes them) ------------------

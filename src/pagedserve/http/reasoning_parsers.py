@@ -8,10 +8,10 @@ splits its text (whole or streamed) into reasoning and answer, as vLLM's
 - "qwen3" (Qwen3, Phi-4-reasoning): the same markers, but the model opens `<think>`
   itself; output that does not start with it is all answer. A prompt whose template
   already closed the section (`enable_thinking: false`) is not parsed at all.
-- "gpt_oss" (harmony): channels, not markers: `analysis` is reasoning, `final` the
-  answer, `commentary` (preambles, tool calls) the answer too. Its markers are special
-  tokens, so it reads text decoded with them (the model is not loadable yet; the parser
-  is tested on text).
+- "gpt_oss" (harmony, docs/harmony.md): channels, not markers: `analysis` is reasoning,
+  `final` the answer, `commentary` preambles the answer too, and a message addressed
+  `to=functions.NAME` a tool call. Its markers are special tokens, so it reads text
+  decoded with them.
 
 Markers are found in text, so a marker the model writes as several tokens, split
 across streamed deltas, is held back until it is whole.
@@ -23,9 +23,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import ClassVar
 
 from ..sampling_params import ReasoningMarkers
-from .tool_parsers import partial_suffix
+from .tool_parsers import ToolCallDelta, new_call_id, partial_suffix
 
 Encode = Callable[[str], Sequence[int]]
 
@@ -34,6 +35,7 @@ Encode = Callable[[str], Sequence[int]]
 class ReasoningDelta:
     reasoning: str = ""
     content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # formats that write calls their own way
 
 
 class StreamingReasoningParser(ABC):
@@ -42,6 +44,7 @@ class StreamingReasoningParser(ABC):
 
     def __init__(self) -> None:
         self.reasoning_tokens = 0
+        self.num_calls = 0  # tool calls read (formats that write calls their own way)
         self._undecided_tokens = 0  # tokens whose section is not known yet
 
     def feed(self, text: str, num_tokens: int = 0, *, last: bool = False) -> ReasoningDelta:
@@ -150,58 +153,86 @@ class ThinkTagParser(StreamingReasoningParser):
 class HarmonyParser(StreamingReasoningParser):
     """gpt-oss's harmony text: `<|channel|>NAME<|message|>text<|end|>` messages (the first
     one's `<|start|>assistant` is in the prompt). `analysis` is reasoning; `final` and
-    `commentary` are the answer; text between messages (`<|start|>assistant`) is dropped.
-    The markers are special tokens: the text must keep them (skip_special_tokens false)."""
+    `commentary` are the answer, and so is a channel harmony does not define (kept, not
+    refused: the text is the model's). A message addressed `to=functions.NAME` is a tool
+    call when `read_calls` (its body, the arguments, as written), else its body is answer
+    text. Text between messages (`<|start|>assistant`) is dropped. The markers are special
+    tokens: the text must keep them (skip_special_tokens false)."""
 
-    # The header may carry a recipient and a content type (`to=functions.f <|constrain|>json`).
-    _HEADER = re.compile(r"<\|channel\|>([A-Za-z_]+).*?<\|message\|>", re.DOTALL)
+    _MESSAGE = "<|message|>"
+    _CHANNEL = re.compile(r"<\|channel\|>([A-Za-z_]+)")
+    # The recipient comes after the role or after the channel (`to=functions.f <|constrain|>json`).
+    _RECIPIENT = re.compile(r"\bto=functions\.([A-Za-z0-9_.-]+)")
     _ENDS = ("<|end|>", "<|return|>", "<|call|>")
-    _OPEN = "<|start|>"
 
-    def __init__(self) -> None:
+    def __init__(self, read_calls: bool = False) -> None:
         super().__init__()
+        self._read_calls = read_calls
         self._held = ""
         self._channel: str | None = None  # the open message's channel
+        self._call: str | None = None  # the open message's call id, when it is a tool call
 
-    def _take(self, text: str, out: ReasoningDelta, last: bool) -> bool:
+    def _take(self, text: str, out: ReasoningDelta, last: bool) -> bool | None:
         self._held += text
         reasoning = self._channel == "analysis"
+        in_message = self._channel is not None  # else a header's tokens belong to the message they open
         while True:
             if self._channel is None:
-                if not self._header(last):
+                if not self._header(out, last):
                     break
+                in_message = True
                 reasoning = reasoning or self._channel == "analysis"
             elif not self._body(out, last):
                 break
-        return reasoning
+        return reasoning if in_message else None
 
-    def _header(self, last: bool) -> bool:
+    def _header(self, out: ReasoningDelta, last: bool) -> bool:
         """Open the next message once its header is whole; False to wait for more text."""
-        match = self._HEADER.search(self._held)
-        if match is None:
+        end = self._held.find(self._MESSAGE)
+        if end < 0:
             if last:
                 self._held = ""  # a header cut off by max_tokens says nothing
             return False
-        self._channel = match.group(1)
-        self._held = self._held[match.end():]
+        header, self._held = self._held[:end], self._held[end + len(self._MESSAGE):]
+        channel = self._CHANNEL.search(header)
+        self._channel = channel.group(1) if channel is not None else ""
+        recipient = self._RECIPIENT.search(header)
+        if self._read_calls and recipient is not None:
+            self._call = new_call_id()
+            out.tool_calls.append(ToolCallDelta(self.num_calls, "", self._call, recipient.group(1)))
         return True
 
     def _body(self, out: ReasoningDelta, last: bool) -> bool:
-        """Let go of the open message's text; True when it closed (look for the next one)."""
+        """Let go of the open message's text; True when it closed (look for the next one).
+        A call cut off by the end of the reply (`<|call|>` is a stop token) closes too."""
         ends = [(i, marker) for marker in self._ENDS if (i := self._held.find(marker)) >= 0]
         if ends:
             end, marker = min(ends)
             self._send(out, self._held[:end])
-            self._held = self._held[end + len(marker):].removeprefix(self._OPEN).removeprefix("assistant")
-            self._channel = None
+            self._held = self._held[end + len(marker):]
+            self._close()
             return True
         keep = 0 if last else max(partial_suffix(self._held, marker) for marker in self._ENDS)
         self._send(out, self._held[:len(self._held) - keep])
         self._held = self._held[len(self._held) - keep:]
+        if last:
+            self._close()
         return False
 
+    def _close(self) -> None:
+        if self._call is not None:
+            self.num_calls += 1
+        self._channel, self._call = None, None
+
     def _send(self, out: ReasoningDelta, text: str) -> None:
-        if self._channel == "analysis":
+        if not text:
+            return
+        if self._call is not None:
+            if out.tool_calls and out.tool_calls[-1].index == self.num_calls:
+                out.tool_calls[-1].arguments += text  # one piece per call per delta
+            else:
+                out.tool_calls.append(ToolCallDelta(self.num_calls, text))
+        elif self._channel == "analysis":
             out.reasoning += text
         else:
             out.content += text
@@ -215,8 +246,8 @@ class PromptReasoning:
     format: ReasoningFormat
     starts_in_reasoning: bool
 
-    def stream(self) -> StreamingReasoningParser:
-        return self.format.parser(self.starts_in_reasoning)
+    def stream(self, read_calls: bool = False) -> StreamingReasoningParser:
+        return self.format.parser(self.starts_in_reasoning, read_calls)
 
     def markers(self, encode: Encode) -> ReasoningMarkers:
         return self.format.markers(encode, self.starts_in_reasoning)
@@ -225,14 +256,19 @@ class PromptReasoning:
 @dataclass(frozen=True)
 class ReasoningFormat(ABC):
     name: str
+    # The format writes tool calls its own way (harmony's commentary channel): its parser
+    # reads them, and no tool-call parser is run on the answer.
+    reads_calls: ClassVar[bool] = False
+    # Its markers are special tokens: replies are decoded with them (skip_special_tokens false).
+    special_markers: ClassVar[bool] = False
 
     @abstractmethod
     def for_prompt(self, prompt: str) -> PromptReasoning | None:
         """How this request's output is split; None when the prompt turned thinking off."""
 
     @abstractmethod
-    def parser(self, starts_in_reasoning: bool) -> StreamingReasoningParser:
-        """A parser for one reply."""
+    def parser(self, starts_in_reasoning: bool, read_calls: bool = False) -> StreamingReasoningParser:
+        """A parser for one reply; `read_calls`: calls come out as calls (`reads_calls` formats)."""
 
     @abstractmethod
     def markers(self, encode: Encode, starts_in_reasoning: bool) -> ReasoningMarkers:
@@ -266,7 +302,7 @@ class ThinkTagFormat(ReasoningFormat):
             return None  # the template closed an empty section: thinking is off
         return PromptReasoning(self, self.reasoning_first)
 
-    def parser(self, starts_in_reasoning: bool) -> StreamingReasoningParser:
+    def parser(self, starts_in_reasoning: bool, read_calls: bool = False) -> StreamingReasoningParser:
         # A model may open the section again though its prompt did (R1 distills do): dropped.
         return ThinkTagParser(self.start, self.end, _Section.REASONING if starts_in_reasoning else _Section.CONTENT)
 
@@ -277,11 +313,14 @@ class ThinkTagFormat(ReasoningFormat):
 
 @dataclass(frozen=True)
 class HarmonyFormat(ReasoningFormat):
+    reads_calls: ClassVar[bool] = True
+    special_markers: ClassVar[bool] = True
+
     def for_prompt(self, prompt: str) -> PromptReasoning | None:
         return PromptReasoning(self, False)
 
-    def parser(self, starts_in_reasoning: bool) -> StreamingReasoningParser:
-        return HarmonyParser()
+    def parser(self, starts_in_reasoning: bool, read_calls: bool = False) -> StreamingReasoningParser:
+        return HarmonyParser(read_calls)
 
     def markers(self, encode: Encode, starts_in_reasoning: bool) -> ReasoningMarkers:
         return ReasoningMarkers(tuple(encode("<|end|><|start|>assistant<|channel|>final<|message|>")), False,

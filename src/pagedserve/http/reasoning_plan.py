@@ -63,6 +63,16 @@ def plan_reasoning(format: ReasoningFormat | None, *, budget: int | None = None,
     if asked is not None and format is None:
         raise APIError(400, f"{asked} needs a reasoning model: this server splits no reasoning (start it with "
                             "--reasoning-parser)", param=asked)
+    kwargs = template_variables(template_kwargs, effort)
+    if effort is not None:
+        return ReasoningPlan(format, EFFORT_BUDGETS[effort], True, kwargs)
+    return ReasoningPlan(format, budget, False, kwargs)
+
+
+def template_variables(template_kwargs: dict[str, Any] | None, effort: str | None = None) -> dict[str, Any]:
+    """What a request adds to its chat template's variables: its chat_template_kwargs
+    (checked; 400 naming the field) and its reasoning effort as `reasoning_effort`
+    (harmony's template writes it into the system message; chat_template_kwargs win)."""
     kwargs = dict(template_kwargs or {})
     for name in kwargs:
         if not name.isidentifier() or name.startswith("_") or name in RESERVED_TEMPLATE_KWARGS:
@@ -70,5 +80,5 @@ def plan_reasoning(format: ReasoningFormat | None, *, budget: int | None = None,
                                 f"not starting with '_', other than {', '.join(sorted(RESERVED_TEMPLATE_KWARGS))})",
                            param="chat_template_kwargs")
     if effort is not None:
-        return ReasoningPlan(format, EFFORT_BUDGETS[effort], True, kwargs)
-    return ReasoningPlan(format, budget, False, kwargs)
+        kwargs.setdefault("reasoning_effort", effort)
+    return kwargs

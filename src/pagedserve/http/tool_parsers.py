@@ -13,7 +13,7 @@ import json
 import re
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -83,21 +83,27 @@ class ToolParser(ABC):
         """(content, calls) of a whole reply; all of it as content when a call does not parse."""
         parser = self.stream()
         parsed = [parser.feed(text), parser.finish()]
-        calls: list[ToolCall] = []
+        calls = join_calls(c for d in parsed for c in d.tool_calls)
         content = "".join(d.content for d in parsed)
-        for delta in (c for d in parsed for c in d.tool_calls):
-            if delta.id is not None:
-                calls.append(ToolCall(delta.id, delta.name or "", delta.arguments))
-            else:
-                calls[delta.index].arguments += delta.arguments
         if not calls:
             return text, []
-        if not all(call.name and _is_json_object(call.arguments) for call in calls):
+        if not all(call.name and is_json_object(call.arguments) for call in calls):
             return text, []
         return content or None, calls
 
 
-def _is_json_object(text: str) -> bool:
+def join_calls(deltas: Iterable[ToolCallDelta]) -> list[ToolCall]:
+    """A reply's call pieces, in order, joined into its calls."""
+    calls: list[ToolCall] = []
+    for delta in deltas:
+        if delta.id is not None:
+            calls.append(ToolCall(delta.id, delta.name or "", delta.arguments))
+        else:
+            calls[delta.index].arguments += delta.arguments
+    return calls
+
+
+def is_json_object(text: str) -> bool:
     try:
         return isinstance(json.loads(text), dict)
     except ValueError:

@@ -23,6 +23,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 
 from pagedserve.model.chat_template import ChatTemplate, read_chat_template_file
 from pagedserve.model.gguf_file import GGUFFile
+from pagedserve.model.harmony_template import HARMONY_STOP_MARKERS, default_chat_template, is_harmony_vocabulary
 
 # GGUF token types (llama.cpp's llama_token_type).
 _GGUF_CONTROL = 3
@@ -67,7 +68,8 @@ PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
 
 # Stop-id rule: the model's EOS plus every *special* token whose text is one of
 # these end-of-turn / end-of-text markers (the set llama.cpp treats as
-# end-of-generation). A chat model may end a turn with any of them.
+# end-of-generation). A chat model may end a turn with any of them. A harmony vocabulary
+# stops on HARMONY_STOP_MARKERS instead (model/harmony_template.py).
 END_OF_GENERATION_MARKERS = frozenset({
     "<|im_end|>", "<|endoftext|>", "<|end_of_text|>", "<|eot_id|>", "<|eom_id|>",
     "<|end|>", "<end_of_turn>", "<end_of_utterance>", "<EOT>", "</s>",
@@ -148,7 +150,8 @@ class Tokenizer:
             for token_id, added in backend.get_added_tokens_decoder().items()
             if added.special
         }
-        stop = {token_id for token_id, text in specials.items() if text in END_OF_GENERATION_MARKERS}
+        markers = HARMONY_STOP_MARKERS if is_harmony_vocabulary(set(specials.values())) else END_OF_GENERATION_MARKERS
+        stop = {token_id for token_id, text in specials.items() if text in markers}
         if eos_token_id is not None:
             stop.add(eos_token_id)
         self._stop_ids = frozenset(stop)
@@ -173,7 +176,8 @@ class Tokenizer:
                 token_id = metadata.get(f"tokenizer.ggml.{key}_token_id")
                 in_vocab = token_id is not None and 0 <= token_id < num_tokens
                 special_ids[f"{name}_token_id"] = int(token_id) if in_vocab else None
-        return cls(backend, chat_template=metadata.get("tokenizer.chat_template"), **special_ids)
+        template = metadata.get("tokenizer.chat_template") or default_chat_template(metadata.get("general.architecture"))
+        return cls(backend, chat_template=template, **special_ids)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> Tokenizer:
@@ -192,6 +196,8 @@ class Tokenizer:
             if template_file.is_file()
             else _config_chat_template(config)
         )
+        if not template:  # a gpt-oss folder without a template gets harmony's
+            template = default_chat_template(_read_json(directory / "config.json").get("model_type"))
 
         def special_id(name: str) -> int | None:
             content = _special_content(config.get(name))

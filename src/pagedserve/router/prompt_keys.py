@@ -14,6 +14,7 @@ from ..core.block_hash import extend_block_hashes
 from ..http.errors import APIError
 from ..http.json_body import parse_body
 from ..http.openai_bodies import ChatCompletionRequest, CompletionRequest, check_token_ids, completion_prompts
+from ..http.reasoning_plan import template_variables
 from ..http.tool_parsers import TOOL_PARSERS
 from ..http.tools import plan_tools, render_chat_text, template_messages, tool_chat_tokenizer
 from ..model.tokenizer import Tokenizer
@@ -65,8 +66,11 @@ class PromptKeyer:
         req = parse_body(body, ChatCompletionRequest)
         # Only what the template renders matters here; the replica validates the schemas.
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self._tool_parser, _unchecked)
+        # The template's variables change the rendered prompt (enable_thinking, reasoning_effort), so they
+        # are part of the key: two requests that differ only there do not share a prefix.
+        variables = template_variables(req.chat_template_kwargs, req.reasoning_effort)
         text = render_chat_text(self.tokenizer, self._tool_tokenizer, template_messages(req.messages), True,
-                                plan.tools)
+                                plan.tools, variables)
         return PromptKeys(self.tokenizer.encode(text, add_special_tokens=False), req.cache_salt)
 
     def keys(self, path: str, body: bytes) -> PromptKeys:

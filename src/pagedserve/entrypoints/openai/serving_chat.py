@@ -79,7 +79,14 @@ class ChatServing(OpenAIServing):
             if constraint_param is not None:
                 raise APIError(400, f"tool_choice {req.tool_choice!r} forces a call and cannot be combined with "
                                     f"{constraint_param}", param="tool_choice")
+            if self.reasoning_parser is not None and self.reasoning_parser.reads_calls:
+                raise APIError(400, f"tool_choice {req.tool_choice!r} forces a call, which this server does not do "
+                                    f"for {self.reasoning_parser.name} models (docs/harmony.md): use 'auto'",
+                               param="tool_choice")
             params = dataclasses.replace(params, structured_outputs=plan.constraint)
+        if self.reasoning_parser is not None and self.reasoning_parser.special_markers:
+            # The parser reads the format's special-token markers out of the text.
+            params = dataclasses.replace(params, skip_special_tokens=False)
         return params, ChatPlan(plan, reasoning)
 
     async def submit(self, req: ChatCompletionRequest, params: SamplingParams, plan: ChatPlan, request_id: str,
@@ -137,8 +144,10 @@ class ChatServing(OpenAIServing):
                        plan: ToolPlan) -> Response:
         prompt_logprobs = await collect(started.stream, tracker)
         choices = []
+        reasoning_tokens = 0
         for c in tracker.choices:
             reply = parse_reply(tracker.pieces(c.index), started.reasoning, plan.parser)
+            reasoning_tokens += reply.reasoning_tokens
             message: dict[str, Any] = {"role": "assistant", "content": reply.content}
             if self.reasoning_parser is not None:
                 message["reasoning_content"] = reply.reasoning
@@ -153,7 +162,8 @@ class ChatServing(OpenAIServing):
                 "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
             })
-        body = {**meta.envelope("chat.completion", choices), "usage": tracker.usage(), **tracker.kv_transfer_field()}
+        body = {**meta.envelope("chat.completion", choices), "usage": self._usage(tracker, reasoning_tokens),
+                **tracker.kv_transfer_field()}
         if meta.id in prompt_logprobs:
             body["prompt_logprobs"] = [None if entry is None else _vllm_logprobs(entry)
                                        for entry in prompt_logprobs[meta.id]]
@@ -184,8 +194,16 @@ class ChatServing(OpenAIServing):
         except EngineDeadError as e:
             yield engine_failure_event(e)
         if include_usage:
-            yield sse({**meta.envelope(chunk, []), "usage": tracker.usage()})
+            usage = self._usage(tracker, sum(parser.reasoning_tokens for parser in parsers))
+            yield sse({**meta.envelope(chunk, []), "usage": usage})
         yield SSE_DONE
+
+    def _usage(self, tracker: ChoiceTracker, reasoning_tokens: int) -> dict[str, Any]:
+        """OpenAI's usage; on a server that splits reasoning, the reasoning tokens of all choices too."""
+        usage: dict[str, Any] = tracker.usage()
+        if self.reasoning_parser is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return usage
 
 
 def _tool_finish_reason(finish_reason: str | None) -> str | None:

@@ -83,11 +83,13 @@ class MessagesServing(ChatServing):
         """The input_tokens a /v1/messages request with this prompt would have."""
         req = parse_body(await request.body(), CountTokensRequest)
         self.resolve_model(req.model)
-        chat, prefill = chat_request(req, {}), _prefill(req)
+        # The prompt /v1/messages would render: the thinking switch, but no budget (it is not the prompt's).
+        thinking_off = isinstance(req.thinking, ThinkingConfigDisabled)
+        chat, prefill = chat_request(req, _THINKING_OFF if thinking_off else {}), _prefill(req)
         _, plan = await self.checked(chat)
         images = await self.load_images(chat.messages, req.model)
         text, tokens = await self.off_loop(self.render_prompt, template_messages(chat.messages), True,
-                                           plan.tools.tools, prefill)
+                                           plan.tools.tools, prefill, plan.reasoning.template_kwargs)
         return JSONResponse({"input_tokens": self.images.prompt_tokens(text, tokens, images)})
 
     async def checked(self, chat: ChatCompletionRequest) -> tuple[SamplingParams, ChatPlan]:
@@ -172,11 +174,14 @@ def _chat_messages(req: MessagesPrompt) -> list[dict[str, Any]]:
     return out
 
 
+_THINKING_OFF: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
 def _thinking(req: MessagesRequest) -> dict[str, Any]:
     """`thinking` as chat fields: enabled -> the budget (Anthropic's bounds checked here),
     disabled -> the template's enable_thinking switch off."""
     if isinstance(req.thinking, ThinkingConfigDisabled):
-        return {"chat_template_kwargs": {"enable_thinking": False}}
+        return _THINKING_OFF
     if not isinstance(req.thinking, ThinkingConfigEnabled):
         return {}
     if req.thinking.budget_tokens >= req.max_tokens:
