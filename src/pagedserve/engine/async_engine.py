@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from ..multimodal.inputs import ImageInput
 from ..outputs import RequestDelta
 from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
@@ -60,6 +61,8 @@ class GenerationRequest:
     lora_name: str | None = None  # a loaded LoRA adapter; None: the base model
     # Embed the prompt instead of generating (LLMEngine.add_pooling_request; `params` unused).
     pooling: PoolingParams | None = None
+    # A vision model's images, one per placeholder of the prompt, in order (docs/vision.md).
+    images: tuple[ImageInput, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -498,6 +501,7 @@ class AsyncEngine:
                 self.engine.add_request(
                     r.prompt_token_ids, r.params, request_id=r.request_id, priority=r.priority,
                     cache_salt=r.cache_salt, arrival_time=r.arrival_time, kv_transfer_params=r.kv_transfer_params, lora_name=r.lora_name,
+                    images=r.images,
                 )
         except ValueError as error:
             return r.request_id, error
