@@ -277,8 +277,6 @@ class LLMEngine:
             if images:
                 raise ValueError(f"images: model {self.loaded.name} is text-only and takes no images")
             return prompt_ids, (), []
-        if images and self.tp is not None:
-            raise ValueError("images: requests with images do not run with tensor_parallel_size > 1")
         if images and kv_transfer_params is not None:
             raise ValueError("kv_transfer_params: requests with images are not transferred between prefill and "
                              "decode instances")

@@ -98,12 +98,9 @@ class ModelRunner:
         """`device`: where the model's weights are (default cpu). `decode_graphs`: None (eager),
         "cuda" (CUDA graphs) or "eager" (the same bucketing and padding, replayed eagerly: tests).
         `model_dtype`: the activations' dtype, which kv_cache_dtype "auto" stores. `kv_caches`:
-        per-layer caches made elsewhere (the contiguous layout's mapping); None allocates the
-        paged pool the plan sizes. `images`: a vision model's encoder and the pixels of its
-        requests in flight (None: text only)."""
-        self.model = model
-        self.images = images
-        self.peers = peers
+        per-layer caches made elsewhere (the contiguous layout's mapping); None allocates the paged
+        pool the plan sizes. `images`: a vision model's encoder and its requests' pixels (or None)."""
+        self.model, self.images, self.peers = model, images, peers
         self.device = device = device or torch.device("cpu")
         # The loaded LoRA adapters' stacked weights (None: LoRA is off).
         self.lora_slots = lora_slots
