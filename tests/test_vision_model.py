@@ -90,6 +90,7 @@ def test_pixel_values_equal_transformers(vlm, size):
     ours = ImageTiling.from_folder(vlm[0]).tile(ImageInput.from_array(pixels))
     theirs = vlm[2].image_processor(images=[[Image.fromarray(pixels)]], return_tensors="np", return_row_col_info=True)
     assert (ours.rows, ours.cols) == (theirs["rows"][0][0], theirs["cols"][0][0])
+    assert ImageTiling.from_folder(vlm[0]).grid(*size) == (ours.rows, ours.cols)  # tokens_per_image's count
     np.testing.assert_array_equal(ours.pixel_values, theirs["pixel_values"][0])
 
 
@@ -225,3 +226,19 @@ def test_quantised_text_decoder_runs_beside_the_tower(vlm, loaded):
     gaps = [abs(next(iter(a.values())).logprob - next(iter(b.values())).logprob)
             for a, b in zip(ours.prompt_logprobs[1:], full.prompt_logprobs[1:])]
     assert max(gaps) < 0.05
+
+
+def test_a_processor_that_disagrees_with_the_model_is_refused(vlm, tmp_path):
+    import json
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(vlm[0], folder)
+    cfg = json.loads((folder / "processor_config.json").read_text())
+    (folder / "processor_config.json").write_text(json.dumps({**cfg, "image_seq_len": 9}))
+    with pytest.raises(ValueError, match="image_seq_len"):
+        load_model(folder)
+    (folder / "processor_config.json").write_text(json.dumps({**cfg, "image_processor": {
+        **cfg["image_processor"], "size": {"height": 64, "width": 64}}}))
+    with pytest.raises(ValueError, match="size"):
+        load_model(folder)

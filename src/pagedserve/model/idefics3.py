@@ -29,6 +29,15 @@ def is_idefics3(config_json: Path) -> bool:
     return json.loads(config_json.read_text()).get("model_type") == MODEL_TYPE
 
 
+def check_processor_seq_len(folder: Path, image_seq_len: int) -> None:
+    """processor_config.json's image_seq_len, where it gives one, must be the model's (the
+    tokens a tile becomes); a folder whose processor disagrees is refused, naming both."""
+    path = folder / "processor_config.json"
+    given = json.loads(path.read_text()).get("image_seq_len") if path.is_file() else None
+    if given is not None and given != image_seq_len:
+        raise ValueError(f"{path}: image_seq_len {given!r}, but the model's tiles are {image_seq_len} tokens each")
+
+
 @dataclass(frozen=True)
 class Idefics3Config:
     text: ModelConfig

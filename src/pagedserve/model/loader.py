@@ -27,7 +27,8 @@ import torch
 from .architectures import model_class
 from .config import QUANTIZATION_CHOICES, ModelConfig
 from .gguf_file import GGUFFile
-from .idefics3 import Idefics3Config, Idefics3Vision, build_vision, is_idefics3, split_checkpoint
+from .idefics3 import (Idefics3Config, Idefics3Vision, build_vision, check_processor_seq_len, is_idefics3,
+                       split_checkpoint)
 from .llama import LlamaModel
 from .sources import ModelSource, file_digest, gguf_cache_dir, resolve_model  # noqa: F401  (re-exported)
 from .tokenizer import Tokenizer
@@ -217,6 +218,7 @@ def _load_idefics3(source: ModelSource, pack: bool | None, quantization: str, ke
     connector beside it, and the prompt expansion its processor files describe."""
     config_path = source.path / "config.json"
     vlm = Idefics3Config.from_hf(json.loads(config_path.read_text()), str(config_path))
+    check_processor_seq_len(source.path, vlm.image_seq_len)
     text_hf, vision_hf = split_checkpoint(hf_tensors_from_safetensors(source.path, as_stored=keep_blocks))
     state, qtypes = _fused_hf_state(text_hf, vlm.text, keep_blocks and quantization == "none")
     tokenizer = Tokenizer.from_pretrained(source.path)

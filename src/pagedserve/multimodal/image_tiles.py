@@ -20,8 +20,6 @@ from .inputs import ImageInput
 _MAX_EDGE = 4096
 _PREPROCESSOR_FILE = "preprocessor_config.json"
 _PROCESSOR_FILE = "processor_config.json"
-# Keys of preprocessor_config.json whose other values would change the arithmetic.
-_REQUIRED = {"do_pad": True, "do_convert_rgb": True}
 
 
 @dataclass(frozen=True)
@@ -57,9 +55,10 @@ class ImageTiling:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], what: str) -> "ImageTiling":
-        for key, value in _REQUIRED.items():
-            if cfg.get(key, value) != value:
-                raise ValueError(f"{what}: {key}={cfg[key]!r} is not implemented (only {value})")
+        # Sizes given another way (height and width) would resize differently: refused, not defaulted.
+        for key in ("size", "max_image_size"):
+            if key in cfg and "longest_edge" not in (cfg[key] or {}):
+                raise ValueError(f"{what}: {key} {cfg[key]!r} is not implemented (only a longest_edge)")
         try:
             return cls(
                 longest_edge=int(cfg.get("size", {}).get("longest_edge", 4 * 364)) if cfg.get("do_resize", True) else None,
