@@ -27,6 +27,7 @@ SPECIAL = ["<|endoftext|>", "<image>", "<fake_token_around_image>", "<global-img
 PREFIX = "describe the picture in a few words, please. " * 3
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 BLOCK = 16
+BLOCK_BYTES = BLOCK * 2 * 2 * 2 * 16 * 4  # tokens x layers x (K, V) x KV heads x head_dim x fp32
 
 
 def _tokenizer() -> transformers.PreTrainedTokenizerFast:
@@ -74,7 +75,7 @@ def picture(seed: int, width: int = 70, height: int = 50) -> np.ndarray:
 
 def engine(loaded, **options) -> LLM:
     llm = LLM.__new__(LLM)
-    options.setdefault("kv_cache_memory", 64 * BLOCK * 2 * 2 * 2 * 16 * 4)
+    options.setdefault("kv_cache_memory", 64 * BLOCK_BYTES)
     options.setdefault("max_num_seqs", 8)
     llm.engine = LLMEngine(EngineConfig(block_size=BLOCK, **options), loaded=loaded)
     return llm
@@ -166,19 +167,27 @@ def test_prefix_cache_keys_the_image_and_the_encoder_cache_serves_repeats(loaded
     assert llm.engine.images.num_held == repeat.engine.images.num_held == 0
 
 
-def test_same_tokens_alone_and_in_a_busy_batch(loaded):
+@pytest.mark.parametrize("blocks, max_tokens", [
+    (64, 6),  # room for every request
+    # 16 blocks for about 60 blocks of requests: some are preempted and recomputed.
+    pytest.param(16, 24, marks=pytest.mark.slow),
+])
+def test_same_tokens_alone_and_in_a_busy_batch(loaded, blocks, max_tokens):
     images = [ImageInput.from_array(picture(10 + i, 20 + 11 * i, 70 - 9 * i)) for i in range(4)]
     prompts, imgs = [], []
     for i in range(8):
         count = i % 3  # text only, one image, two images
         prompts.append(PREFIX[: 10 * i] + (" what is it? <image>" * count or f"the quick brown fox {i} " * (i + 1)))
         imgs.append([images[(i + k) % 4] for k in range(count)])
-    alone = [engine(loaded).generate(p, GREEDY, use_tqdm=False, images=im)[0].outputs[0].token_ids
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    alone = [engine(loaded).generate(p, params, use_tqdm=False, images=im)[0].outputs[0].token_ids
              for p, im in zip(prompts[:3], imgs[:3])]
-    busy = engine(loaded, max_num_batched_tokens=40, enable_prefix_caching=True)
-    outs = busy.generate(prompts, GREEDY, use_tqdm=False, images=imgs)
+    busy = engine(loaded, max_num_batched_tokens=40, enable_prefix_caching=True, kv_cache_memory=blocks * BLOCK_BYTES)
+    outs = busy.generate(prompts, params, use_tqdm=False, images=imgs)
     assert [o.outputs[0].token_ids for o in outs[:3]] == alone
     stats = busy.stats()
+    assert (stats["num_preemptions"] > 0) == (blocks < 64)
+    assert busy.engine.images.cache.misses == len(images)  # recomputed prompts took the cached outputs
     assert stats["kv_free_blocks"] == stats["kv_total_blocks"]
     busy.engine.scheduler.check_invariants()
     assert busy.engine.images.num_held == 0
@@ -242,3 +251,14 @@ def test_a_processor_that_disagrees_with_the_model_is_refused(vlm, tmp_path):
         **cfg["image_processor"], "size": {"height": 64, "width": 64}}}))
     with pytest.raises(ValueError, match="size"):
         load_model(folder)
+
+
+def test_encoder_cache_keeps_the_most_recent_images():
+    from pagedserve.worker.image_embeds import EncoderCache
+
+    cache, encoded = EncoderCache(capacity=2), []
+    for content_hash in "abcba":
+        cache.get_or_encode(content_hash, lambda h=content_hash: encoded.append(h) or torch.zeros(1))
+    assert encoded == ["a", "b", "c", "a"] and len(cache) == 2  # "a" was evicted by "c", "b" was kept
+    with pytest.raises(ValueError, match="capacity"):
+        EncoderCache(capacity=0)
