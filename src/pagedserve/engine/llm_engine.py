@@ -34,6 +34,7 @@ from ..sampling_state import SamplingState
 from ..spec_decode.acceptance_stats import SpecDecodeStats
 from ..structured_output.grammar_backend import Matcher
 from ..structured_output.manager import StructuredOutputManager
+from ..worker.image_embeds import ImageEmbedder
 from ..worker.model_runner import ModelRunner, RunnerOutput
 from ..worker.pooling import finish_embedding
 from ..worker.sampler import LogprobsTensors
@@ -160,7 +161,7 @@ class LLMEngine:
         self.kv_connector: KVConnectorWorker | None = parts["kv_connector"]
         self.scheduler: Scheduler = parts["scheduler"]
         self.runner: ModelRunner = parts["runner"]
-        self.images = parts["images"]  # the image encoder and its cache (None: a text-only model)
+        self.images: ImageEmbedder | None = parts["images"]  # the image encoder and its cache (None: text only)
         self.loras: LoRARegistry | None = parts["loras"]
         self.spec_stats: SpecDecodeStats | None = parts["spec_stats"]
         self.structured_outputs: StructuredOutputManager = parts["structured_outputs"]
