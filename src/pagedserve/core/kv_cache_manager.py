@@ -119,7 +119,8 @@ class KVCacheManager:
             return NO_HIT
         hashes = request.block_hashes
         if len(hashes) < max_blocks:
-            extend_block_hashes(hashes, request.all_token_ids, bs, max_blocks, request.cache_salt, request.lora_id)
+            extend_block_hashes(hashes, request.all_token_ids, bs, max_blocks, request.cache_salt, request.lora_id,
+                                request.images)
         hit = []
         lookup = self.pool.lookup
         for i in range(max_blocks):
@@ -205,7 +206,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         if len(hashes) < num_full:
             extend_block_hashes(hashes, request.all_token_ids, self.block_size, num_full, request.cache_salt,
-                                request.lora_id)
+                                request.lora_id, request.images)
         register = self.pool.register
         blocks = row.blocks
         for i in range(row.num_hashed_blocks, num_full):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from .beam_search import BeamGroup
 from .validation import is_int, require_int
@@ -47,6 +47,17 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
+
+
+class ImageSpan(NamedTuple):
+    """The prompt tokens [offset, offset + length) that one image expanded into (its
+    placeholder's run: the image tokens that take the encoder's output, and the tokens
+    around them), and the image's content hash (the encoder cache's key and part of the
+    prefix-cache key of every block the run touches)."""
+
+    offset: int
+    length: int
+    content_hash: str
 
 
 class SampleState(Protocol):
@@ -90,6 +101,8 @@ class Request:
     # Beam search: the group every member (this request and its forked children, n = the
     # beam width) shares; None for sampling.
     beam: BeamGroup | None = None
+    # A vision model's images, in prompt order (none: a text-only prompt).
+    images: tuple[ImageSpan, ...] = ()
 
     output_token_ids: list[int] = field(init=False)
     # Prompt + outputs in one list that only grows, so a step's token slice is cheap.
@@ -138,6 +151,13 @@ class Request:
             raise ValueError(f"pooling must be one of {POOLING_TYPES} or None, got {self.pooling!r}")
         if self.pooling is not None and self.n != 1:
             raise ValueError(f"a pooling request has one result: n must be 1, got {self.n}")
+        self.images = tuple(self.images)
+        end = 0
+        for span in self.images:
+            if not (is_int(span.offset) and is_int(span.length) and span.offset >= end and span.length >= 1
+                    and span.offset + span.length <= len(self.prompt_token_ids) and isinstance(span.content_hash, str)):
+                raise ValueError(f"images: span {span!r} must lie in the prompt, after the previous one")
+            end = span.offset + span.length
         self.output_token_ids = []
         self.all_token_ids = list(self.prompt_token_ids)
         self.block_hashes = []

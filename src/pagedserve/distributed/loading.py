@@ -20,6 +20,7 @@ import torch
 
 from ..model.config import ModelConfig
 from ..model.gguf_file import GGUFFile
+from ..model.idefics3 import is_idefics3
 from ..model.llama import LlamaModel
 from ..model.loader import build_model, cached_gguf, gguf_cache_dir, resolve_model
 from ..model.tokenizer import Tokenizer
@@ -81,6 +82,9 @@ def load_shard(model: str | None, rank: int, size: int, pack: bool | None = None
             state = fuse_hf_tensors(hf, shard.local_config())
             if with_tokenizer:
                 tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+    elif is_idefics3(source.path / "config.json"):
+        raise ValueError(f"tensor_parallel_size: {source.name} is a vision-language model, which runs on one "
+                         "rank only (tensor_parallel_size 1)")
     else:
         config = ModelConfig.from_hf_config(source.path / "config.json")
         hf, shard = _safetensors_shard(source.path, config, rank, size)

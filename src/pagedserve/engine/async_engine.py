@@ -61,7 +61,7 @@ class GenerationRequest:
     lora_name: str | None = None  # a loaded LoRA adapter; None: the base model
     # Embed the prompt instead of generating (LLMEngine.add_pooling_request; `params` unused).
     pooling: PoolingParams | None = None
-    # Decoded images, one per image placeholder in the prompt, in order (LLMEngine.add_request).
+    # A vision model's images, one per placeholder of the prompt, in order (docs/vision.md).
     images: tuple[ImageInput, ...] = ()
 
 

@@ -37,6 +37,7 @@ from ..structured_output.manager import StructuredOutputManager
 from ..core.contiguous_kv import ContiguousKVCacheManager
 from ..worker.contiguous_kv_memory import ContiguousKVStore, build_contiguous_kv
 from ..worker.draft_model import draft_kv, load_draft
+from ..worker.image_embeds import ImageEmbedder
 from ..worker.model_runner import ModelRunner
 from .device_memory import device_memory_plan, kv_dtype_bytes
 from .kv_offload_key import offload_namespace
@@ -68,6 +69,14 @@ def _model(device: DeviceConfig, load: LoadConfig, loaded: LoadedModel, max_mode
         place_model(loaded.model, torch.device(device.name), torch_dtype(device.dtype), load.quantization,
                     max_positions=max_model_len)
     return loaded.model
+
+
+def _images(device: DeviceConfig, loaded: LoadedModel) -> ImageEmbedder | None:
+    """A vision model's encoder, on the text decoder's device (in float32: its output is cast
+    to the decoder's dtype where it replaces token embeddings); None for a text-only model."""
+    if loaded.vision is None:
+        return None
+    return ImageEmbedder(loaded.vision.to(torch.device(device.name)), loaded.image_prompts.image_token_id)
 
 
 def _draft(serving: ServingConfig, device: DeviceConfig, loaded: LoadedModel, model: torch.nn.Module) \
@@ -161,7 +170,7 @@ def _runner(device: DeviceConfig, kv: KVConfig, serving: ServingConfig, model: t
             loaded: LoadedModel, kv_plan: KVCachePlan, scheduler_config: SchedulerConfig,
             draft: LoadedModel | None, peers: TensorParallelExecutor | None,
             kv_connector: KVConnectorWorker | None, kv_store: ContiguousKVStore | None,
-            lora_slots: LoRASlots | None) -> ModelRunner:
+            lora_slots: LoRASlots | None, images: ImageEmbedder | None) -> ModelRunner:
     backend = default_backend_name(device.kernels, device.name, kv.kv_layout)
     return ModelRunner(
         model, kv_plan, scheduler_config.max_num_seqs, scheduler_config.max_model_len,
@@ -170,7 +179,7 @@ def _runner(device: DeviceConfig, kv: KVConfig, serving: ServingConfig, model: t
         kv_cache_dtype=kv.kv_cache_dtype, peers=peers, kv_connector=kv_connector, device=torch.device(device.name),
         decode_graphs=device.decode_graphs, max_cudagraph_batch=device.max_cudagraph_batch,
         model_dtype=torch_dtype(device.dtype), kv_caches=kv_store.kv_caches if kv_store is not None else None,
-        lora_slots=lora_slots,
+        lora_slots=lora_slots, images=images,
     )
 
 
@@ -192,6 +201,7 @@ def _structured_outputs(loaded: LoadedModel) -> StructuredOutputManager:
 WIRING: tuple[Row, ...] = (
     Row(("max_model_len",), ("load",), ("loaded",), _max_model_len),
     Row(("model",), ("device", "load"), ("loaded", "max_model_len", "keeps_loaded_model"), _model),
+    Row(("images",), ("device",), ("loaded",), _images),
     Row(("draft",), ("serving", "device"), ("loaded", "model"), _draft),
     Row(("scheduler_config",), ("scheduling",), ("max_model_len",), SchedulingConfig.scheduler_config),
     Row(("kv_pool_bytes",), ("config",), ("loaded", "scheduler_config"), _kv_pool_bytes),
@@ -205,7 +215,8 @@ WIRING: tuple[Row, ...] = (
     Row(("scheduler",), (), ("scheduler_config", "cache_config", "step_budget", "connector_scheduler", "kv_manager"),
         lambda sched, cache, budget, connector, kv: Scheduler(sched, cache, budget, connector, kv_cache=kv)),
     Row(("runner",), ("device", "kv", "serving"),
-        ("model", "loaded", "kv_plan", "scheduler_config", "draft", "peers", "kv_connector", "kv_store", "lora_slots"),
+        ("model", "loaded", "kv_plan", "scheduler_config", "draft", "peers", "kv_connector", "kv_store", "lora_slots",
+         "images"),
         _runner),
     Row(("loras",), (), ("lora_slots", "loaded"), _loras),
     Row(("spec_stats",), ("serving",), (), _spec_stats),

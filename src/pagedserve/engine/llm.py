@@ -9,6 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ..engine_config import EngineConfig
+from ..multimodal.inputs import ImageInput
 from ..outputs import OutputAccumulator, RequestOutput
 from ..pooling_params import PoolingParams, cosine_similarity, score_pairs
 from ..sampling_params import SamplingParams
@@ -37,10 +38,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_name: str | Sequence[str | None] | None = None,
+        images: Sequence[ImageInput] | Sequence[Sequence[ImageInput]] = (),
     ) -> list[RequestOutput]:
         """RequestOutputs in the order of `prompts` (a string, token ids, or a list of either).
         `lora_name`: the loaded LoRA adapter to run (one for all prompts, or one per prompt;
-        None: the base model)."""
+        None: the base model). `images` (a vision model: docs/vision.md): the images of a
+        single prompt, or one sequence of images per prompt."""
         prompts = _prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
         if lora_name is None or isinstance(lora_name, str):
@@ -49,8 +52,9 @@ class LLM:
             raise ValueError(f"lora_name has {len(lora_name)} entries for {len(prompts)} prompts")
         else:
             loras = list(lora_name)
-        return self._run([partial(self.engine.add_request, p, sp, lora_name=lora)
-                          for p, sp, lora in zip(prompts, params, loras)], use_tqdm)
+        per_prompt = _images_per_prompt(images, len(prompts))
+        return self._run([partial(self.engine.add_request, p, sp, lora_name=lora, images=im)
+                          for p, sp, lora, im in zip(prompts, params, loras, per_prompt)], use_tqdm)
 
     def beam_search(
         self,
@@ -160,6 +164,20 @@ class LLM:
 
 def _is_one_prompt(prompt: object) -> bool:
     return isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int))
+
+
+def _images_per_prompt(images: Sequence[ImageInput] | Sequence[Sequence[ImageInput]], num_prompts: int
+                       ) -> list[Sequence[ImageInput]]:
+    """One sequence of images per prompt: ImageInputs given flat belong to a single prompt."""
+    if not images:
+        return [()] * num_prompts
+    if all(isinstance(image, ImageInput) for image in images):
+        if num_prompts != 1:
+            raise ValueError(f"images: give one sequence of images per prompt ({num_prompts} prompts)")
+        return [images]
+    if len(images) != num_prompts:
+        raise ValueError(f"images has {len(images)} entries for {num_prompts} prompts")
+    return list(images)
 
 
 def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -17,13 +17,14 @@ import torch
 
 from ..core.kv_plan import KVCachePlan
 from ..core.scheduler_output import SchedulerOutput, SchedulerStats
-from ..core.request import Request, RequestStatus
+from ..core.request import ImageSpan, Request, RequestStatus
 from ..core.scheduler import Scheduler
 from ..distributed.executor import TensorParallelExecutor
 from ..engine_config import EngineConfig
 from ..kernels import kernel_report
 from ..kv_transfer.base import KVConnectorWorker
 from ..model.loader import LoadedModel, load_model
+from ..multimodal.idefics3_prompts import Idefics3Prompts
 from ..multimodal.inputs import ImageInput
 from ..outputs import Logprob, RequestDelta, RequestMetrics, SampleDelta, TokenLogprobs
 from ..pooling_params import PoolingParams
@@ -33,6 +34,7 @@ from ..sampling_state import SamplingState
 from ..spec_decode.acceptance_stats import SpecDecodeStats
 from ..structured_output.grammar_backend import Matcher
 from ..structured_output.manager import StructuredOutputManager
+from ..worker.image_embeds import ImageEmbedder
 from ..worker.model_runner import ModelRunner, RunnerOutput
 from ..worker.pooling import finish_embedding
 from ..worker.sampler import LogprobsTensors
@@ -159,6 +161,7 @@ class LLMEngine:
         self.kv_connector: KVConnectorWorker | None = parts["kv_connector"]
         self.scheduler: Scheduler = parts["scheduler"]
         self.runner: ModelRunner = parts["runner"]
+        self.images: ImageEmbedder | None = parts["images"]  # the image encoder and its cache (None: text only)
         self.loras: LoRARegistry | None = parts["loras"]
         self.spec_stats: SpecDecodeStats | None = parts["spec_stats"]
         self.structured_outputs: StructuredOutputManager = parts["structured_outputs"]
@@ -198,12 +201,6 @@ class LLMEngine:
 
     # -- requests in -------------------------------------------------------------------
 
-    @property
-    def vision(self) -> None:
-        """None: the loaded model takes no images (a vision model's engine answers its image
-        placeholder and `tokens_per_image`)."""
-        return None
-
     def add_request(
         self,
         prompt: str | list[int],
@@ -217,15 +214,14 @@ class LLMEngine:
         images: Sequence[ImageInput] = (),
     ) -> str:
         """Validate, tokenize and queue a request; raise ValueError if it can never run.
-        `lora_name` runs it under that loaded LoRA adapter (None: the base model);
-        `images` go where the prompt holds `vision.placeholder`, one each, in order."""
-        if images:
-            raise ValueError(f"images: the model {self.loaded.name!r} does not accept images")
+        `lora_name` runs it under that loaded LoRA adapter (None: the base model). `images`:
+        one per image placeholder of the prompt (`vision.placeholder`), in order (docs/vision.md)."""
         params = params or SamplingParams()
         self.check_task("generate")
         lora_id = self._lora(lora_name).lora_id if lora_name is not None else 0
         params.validate_for_vocab(self.loaded.config.vocab_size)
         prompt_text, prompt_ids, rid = self._prompt(prompt, request_id)
+        prompt_ids, spans, pixels = self._expand_images(prompt_ids, images, kv_transfer_params)
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - len(prompt_ids)
@@ -256,14 +252,41 @@ class LLMEngine:
             skip_prefix_cache=params.prompt_logprobs is not None,
             sampling=beam_sampling_state(params) if beam else SamplingState.for_request(params, matchers),
             kv_transfer_params=kv_transfer_params,
+            images=spans,
         )
         if beam:
             request.beam = beam_group(params, max_tokens, request.stop_token_ids, request.eos_token_id)
         self.scheduler.add_request(request)
+        if spans:
+            self.images.register(rid, [(span.content_hash, p) for span, p in zip(spans, pixels)])
         self._tracked[rid] = _Tracked(rid, prompt_text, prompt_ids, params, RequestMetrics(request.arrival_time),
                                       prompt_logprobs=[None] * len(prompt_ids) if params.prompt_logprobs is not None
                                       else None, lora_id=lora_id)
         return rid
+
+    @property
+    def vision(self) -> Idefics3Prompts | None:
+        """A vision model's prompt side (`placeholder`, `tokens_per_image(image)`); None: text only."""
+        return self.loaded.image_prompts
+
+    def _expand_images(self, prompt_ids: list[int], images: Sequence[ImageInput], kv_transfer_params: dict | None
+                       ) -> tuple[list[int], tuple[ImageSpan, ...], list]:
+        """The prompt with each image placeholder expanded, the images' spans and their
+        tiles; ValueError naming `images` where they cannot run."""
+        images = list(images)
+        if self.vision is None:
+            if images:
+                raise ValueError(f"images: model {self.loaded.name} is text-only and takes no images")
+            return prompt_ids, (), []
+        if images and kv_transfer_params is not None:
+            raise ValueError("kv_transfer_params: requests with images are not transferred between prefill and "
+                             "decode instances")
+        if any(not isinstance(image, ImageInput) for image in images):
+            raise ValueError("images: each must be a pagedserve.multimodal.inputs.ImageInput")
+        expanded = self.vision.expand(prompt_ids, images)
+        spans = tuple(ImageSpan(offset, length, image.content_hash)
+                      for (offset, length), image in zip(expanded.spans, images))
+        return expanded.token_ids, spans, expanded.pixel_values
 
     def _prompt(self, prompt: str | list[int], request_id: str | None) -> tuple[str | None, list[int], str]:
         """(text, token ids, request id) of a new request; ValueError for an empty or
@@ -319,6 +342,8 @@ class LLMEngine:
         if it was unknown or already finished."""
         tracked = self._tracked.pop(request_id, None)
         self.scheduler.abort(request_id)
+        if self.images is not None:
+            self.images.release(request_id)
         if tracked is None:
             return None
         done = {i for i, seq in tracked.sequences.items() if seq.finish_reason is not None}
@@ -409,6 +434,8 @@ class LLMEngine:
         for delta in deltas:
             if delta.finished:
                 del self._tracked[delta.request_id]
+                if self.images is not None:
+                    self.images.release(delta.request_id)
         return deltas
 
     def _apply(self, tracked: _Tracked, req: Request, new_ids: list[int], finished: RequestStatus | None,

@@ -194,6 +194,13 @@ class ModelConfig:
             return cls._from_hf_config(json.loads(Path(path).read_text()))
 
     @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], what: str) -> "ModelConfig":
+        """A config.json's parsed dict (an idefics3 folder's text_config: model/idefics3.py);
+        `what` names it in errors."""
+        with _malformed(what):
+            return cls._from_hf_config(cfg)
+
+    @classmethod
     def _from_hf_config(cls, cfg: Any) -> "ModelConfig":
         arch = variants.HF_MODEL_TYPES.get(cfg.get("model_type", ""), cfg.get("model_type", ""))
         hidden = int(cfg["hidden_size"])

@@ -407,15 +407,19 @@ class LlamaModel(nn.Module):
         backend: AttentionBackend,
         logits_indices: torch.Tensor,  # [R] rows of the flattened batch whose logits are wanted
         lora: LoRABatch | None = None,  # the step's LoRA adapter rows (model/lora.py)
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden] in place of embed(input_ids) (images)
     ) -> torch.Tensor:  # [R, vocab]
-        hidden = self.hidden_states(input_ids, positions, kv_caches, meta, backend, lora)
+        hidden = self.hidden_states(input_ids, positions, kv_caches, meta, backend, lora, inputs_embeds)
         return self.logits(hidden.index_select(0, logits_indices))
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                      meta: AttentionMetadata, backend: AttentionBackend, lora: LoRABatch | None = None) -> torch.Tensor:
+                      meta: AttentionMetadata, backend: AttentionBackend, lora: LoRABatch | None = None,
+                      inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Every token's state after the last decoder layer, before the final norm: [T, hidden].
-        `self.norm` of it is the final hidden state (pooling's source); `logits` takes it too."""
-        hidden = self.embed(input_ids)
+        `self.norm` of it is the final hidden state (pooling's source); `logits` takes it too.
+        `inputs_embeds` (a vision model's image rows merged in) replaces the embedding lookup;
+        the layers add into it in place, so it must be the caller's own tensor."""
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary.cos_sin(positions)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             hidden = layer(hidden, cos, sin, kv_cache, meta, backend, None if lora is None else (lora, i))

@@ -27,9 +27,13 @@ import torch
 from .architectures import model_class
 from .config import QUANTIZATION_CHOICES, ModelConfig
 from .gguf_file import GGUFFile
+from .idefics3 import (Idefics3Config, Idefics3Vision, build_vision, check_processor_seq_len, is_idefics3,
+                       split_checkpoint)
 from .llama import LlamaModel
 from .sources import ModelSource, file_digest, gguf_cache_dir, resolve_model  # noqa: F401  (re-exported)
 from .tokenizer import Tokenizer
+from ..multimodal.idefics3_prompts import Idefics3Prompts
+from ..multimodal.image_tiles import ImageTiling
 from .weights import (fuse_gguf_blocks, fuse_hf_tensors, fuse_stored_halves, hf_tensors_from_gguf,
                       hf_tensors_from_safetensors)
 
@@ -155,6 +159,9 @@ class LoadedModel:
     model: LlamaModel
     tokenizer: Tokenizer
     quantization: str = "none"  # what load_model built (QUANTIZATION_CHOICES)
+    # A vision-language model's image encoder and prompt expansion (model/idefics3.py); None: text only.
+    vision: Idefics3Vision | None = None
+    image_prompts: Idefics3Prompts | None = None
 
 
 def load_model(
@@ -186,12 +193,37 @@ def load_model(
     elif source.kind == "gguf":
         converted = convert_gguf(source.path, use_cache=use_cache)
         config, state, tokenizer = converted.config, converted.state, converted.tokenizer
+    elif is_idefics3(source.path / "config.json"):
+        return _load_idefics3(source, pack, quantization, keep_blocks)
     else:
         config = ModelConfig.from_hf_config(source.path / "config.json")
-        if keep_blocks and quantization == "none":
-            state, qtypes = fuse_stored_halves(hf_tensors_from_safetensors(source.path, as_stored=True), config)
-        else:
-            state = fuse_hf_tensors(hf_tensors_from_safetensors(source.path), config)
+        state, qtypes = _fused_hf_state(hf_tensors_from_safetensors(source.path, as_stored=keep_blocks), config,
+                                        keep_blocks and quantization == "none")
         tokenizer = Tokenizer.from_pretrained(source.path)
     built = build_model(config, state, pack=pack, quantization=quantization, qtypes=qtypes)
     return LoadedModel(source.name, source, config, built, tokenizer, quantization)
+
+
+def _fused_hf_state(hf: dict[str, torch.Tensor], config: ModelConfig, keep_halves: bool
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, int] | None]:
+    """A safetensors checkpoint's fused state (float16 / bfloat16 matrices kept as stored
+    with `keep_halves`, else everything in float32) and the kept matrices' types."""
+    if keep_halves:
+        return fuse_stored_halves(hf, config)
+    return fuse_hf_tensors({k: v.float() for k, v in hf.items()}, config), None
+
+
+def _load_idefics3(source: ModelSource, pack: bool | None, quantization: str, keep_blocks: bool) -> LoadedModel:
+    """An Idefics3 / SmolVLM folder: its text decoder built as a Llama, its vision tower and
+    connector beside it, and the prompt expansion its processor files describe."""
+    config_path = source.path / "config.json"
+    vlm = Idefics3Config.from_hf(json.loads(config_path.read_text()), str(config_path))
+    check_processor_seq_len(source.path, vlm.image_seq_len)
+    text_hf, vision_hf = split_checkpoint(hf_tensors_from_safetensors(source.path, as_stored=keep_blocks))
+    state, qtypes = _fused_hf_state(text_hf, vlm.text, keep_blocks and quantization == "none")
+    tokenizer = Tokenizer.from_pretrained(source.path)
+    prompts = Idefics3Prompts(ImageTiling.from_folder(source.path), vlm.image_seq_len, vlm.image_token_id,
+                              lambda text: tokenizer.encode(text, add_special_tokens=False), tokenizer.token_to_id)
+    built = build_model(vlm.text, state, pack=pack, quantization=quantization, qtypes=qtypes)
+    return LoadedModel(source.name, source, vlm.text, built, tokenizer, quantization, build_vision(vlm, vision_hf),
+                       prompts)

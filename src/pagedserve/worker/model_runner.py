@@ -38,6 +38,7 @@ from .block_table import BlockTableRows
 from .cuda_graphs import DecodeGraphRunner, capture_sizes
 from .device_inputs import DeviceInputs
 from .draft_model import DraftModelProposer
+from .image_embeds import ImageEmbedder, ImageRows
 from .kv_tensors import allocate_kv_caches, copy_blocks, kv_cache_torch_dtype
 from .pooling import PoolingPlan, PoolingState, plan_pooling
 from .prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs, plan_prompt_logprobs
@@ -59,6 +60,8 @@ class StepInputs:
     lora: LoRABatch | None = None
     # Pooling rows and the hidden rows they need; None when no row pools.
     pooling: PoolingPlan | None = None
+    # Image-token rows and the vision encoder's output for them; None when the step has none.
+    images: ImageRows | None = None
 
 
 class StepPeers(Protocol):
@@ -102,14 +105,14 @@ class ModelRunner:
         model_dtype: torch.dtype = torch.float32,
         kv_caches: list[torch.Tensor] | None = None,
         lora_slots: LoRASlots | None = None,
+        images: ImageEmbedder | None = None,
     ):
         """`device`: where the model's weights are (default cpu). `decode_graphs`: None (eager),
         "cuda" (CUDA graphs) or "eager" (the same bucketing and padding, replayed eagerly: tests).
         `model_dtype`: the activations' dtype, which kv_cache_dtype "auto" stores. `kv_caches`:
-        per-layer caches made elsewhere (the contiguous layout's mapping); None allocates the
-        paged pool the plan sizes."""
-        self.model = model
-        self.peers = peers
+        per-layer caches made elsewhere (the contiguous layout's mapping); None allocates the paged
+        pool the plan sizes. `images`: a vision model's encoder and its requests' pixels (or None)."""
+        self.model, self.images, self.peers = model, images, peers
         self.device = device = device or torch.device("cpu")
         # The loaded LoRA adapters' stacked weights (None: LoRA is off).
         self.lora_slots = lora_slots
@@ -239,6 +242,7 @@ class ModelRunner:
             prompt_logprobs=prompt_plan,
             lora=lora,
             pooling=plan_pooling(sched, cu[:-1]),
+            images=self.images.step_rows(sched, cu[:-1]) if self.images is not None else None,
         )
 
     @torch.inference_mode()
@@ -288,19 +292,23 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The step's logits (fp32), and the pooled vector of each pooling request whose prompt it finished."""
-        # A captured graph has no adapter deltas and no hidden rows: steps with LoRA or pooling rows run eagerly.
-        eager = inputs.lora is not None or inputs.pooling is not None
+        # A captured graph has no adapter deltas, hidden rows or image rows: such steps run eagerly.
+        eager = inputs.lora is not None or inputs.pooling is not None or inputs.images is not None
         logits = self._decode_graph_logits(inputs) if self.graphs is not None and not eager else None
         if logits is not None:
             return logits, {}
         self.backend.prepare(inputs.meta)
+        embeds = None
+        if inputs.images is not None:
+            embeds = self.model.embed(inputs.input_ids)
+            embeds[inputs.images.rows.to(embeds.device)] = inputs.images.embeds.to(embeds.dtype)
         if inputs.pooling is None:
             return self.model(
                 inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend, inputs.logits_indices,
-                inputs.lora,
+                inputs.lora, embeds,
             ).float(), {}  # a no-op on the fp32 CPU path; sampling works on fp32 logits
         hidden = self.model.hidden_states(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
-                                          self.backend, inputs.lora)
+                                          self.backend, inputs.lora, embeds)
         logits = self.model.logits(hidden.index_select(0, inputs.logits_indices)).float()
         rows = torch.from_numpy(inputs.pooling.hidden_indices).to(hidden.device)
         final = self.model.norm(hidden.index_select(0, rows)).float().cpu()
