@@ -35,6 +35,7 @@ from ...http.openapi import build_openapi
 from ...http.tool_parsers import TOOL_PARSERS
 from .args import ServerConfig, server_reasoning_parser
 from .metrics import ServerMetrics
+from .ollama_routes import ollama_routes
 from .protocol import RequestLimits, max_prompt_chars
 from .routes import RouteGroup, ServerParts, dashboard_routes, kv_event_routes, lora_routes, openai_routes, \
     operations_routes, tokenizer_routes
@@ -56,7 +57,7 @@ _ABORTED_RESPONSES_GRACE_S = 5.0
 # In the order their routes appear in /openapi.json; a new group is one more entry.
 ROUTE_GROUPS: tuple[RouteGroup, ...] = (
     openai_routes, messages_routes, pooling_routes, tokenizer_routes, operations_routes, kv_event_routes, lora_routes,
-    dashboard_routes,
+    dashboard_routes, ollama_routes,
 )
 
 
