@@ -11,6 +11,7 @@ server's own flags decide them).
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -194,7 +195,8 @@ def think_fields(think: bool | str | None) -> dict[str, Any]:
 
 def keep_alive_seconds(value: float | str | None) -> float | None:
     """Ollama's keep_alive as seconds: a number of seconds or a duration ("5m", "1h",
-    "300ms"); negative keeps the model loaded for good (None here); 400 for anything else."""
+    "300ms"); negative keeps the model loaded for good (inf); None when not given; 400
+    for anything else."""
     if value is None:
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -205,4 +207,4 @@ def keep_alive_seconds(value: float | str | None) -> float | None:
             raise APIError(400, f"keep_alive must be a number of seconds or a duration such as \"5m\", "
                                 f"got {value!r}", param="keep_alive")
         seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
-    return None if seconds < 0 else seconds
+    return math.inf if seconds < 0 else seconds

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ...engine_config import EngineConfig, parse_memory
 from ...http.bounds import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_HEADER_BYTES
@@ -39,6 +40,15 @@ class ServerConfig:
     disable_uvicorn_access_log: bool = False
     dashboard: bool = True
     dashboard_show_prompts: bool = False
+    # Several models in one server (docs/multi-model.md): name -> path, and/or a folder of them.
+    models: dict[str, str] = field(default_factory=dict)
+    models_dir: str | None = None
+    max_loaded_models: int | None = None  # None: no bound
+    model_load_timeout: float = 120.0  # how long a request waits for its model to load before a 503
+
+    @property
+    def multi_model(self) -> bool:
+        return bool(self.models) or self.models_dir is not None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -59,9 +69,25 @@ class ServerConfig:
                              f"got {self.reasoning_parser!r}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty")
+        self._check_multi_model()
         if self.api_key is not None and self.api_keys is not None:
             raise ValueError(f"--api-key (or {API_KEY_ENV}) and --api-keys do not go together: list the key in the "
                              "keys file under a tenant")
+
+    def _check_multi_model(self) -> None:
+        if self.max_loaded_models is not None and self.max_loaded_models < 1:
+            raise ValueError(f"max_loaded_models must be >= 1, got {self.max_loaded_models}")
+        if not self.model_load_timeout > 0:
+            raise ValueError(f"model_load_timeout must be > 0 seconds, got {self.model_load_timeout}")
+        if not self.multi_model:
+            if self.max_loaded_models is not None:
+                raise ValueError("max_loaded_models needs several models (--model NAME=PATH or --models-dir)")
+            return
+        clashes = {"model": self.engine.model, "served_model_name": self.served_model_name, "api_keys": self.api_keys}
+        for name, value in clashes.items():
+            if value is not None:
+                raise ValueError(f"{name} does not go with several models (--model NAME=PATH or --models-dir): "
+                                 "each model is served under its own name")
 
     def describe(self) -> dict:
         """The effective configuration, safe to print: the API key is never shown."""
@@ -110,7 +136,42 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="do not serve the live engine page at /dashboard")
     g.add_argument("--dashboard-show-prompts", action="store_true",
                    help="show the start of each request's prompt on /dashboard (off: ids and token counts only)")
+    g.add_argument("--models-dir", default=None, metavar="DIR",
+                   help="serve every GGUF file and model folder in DIR, each named by its file or folder stem "
+                        "(docs/multi-model.md)")
+    g.add_argument("--max-loaded-models", type=int, default=None,
+                   help="with several models: at most this many loaded, the least recently used idle one "
+                        "unloaded to make room (default: no bound)")
+    g.add_argument("--model-load-timeout", type=float, default=d.model_load_timeout,
+                   help="with several models: seconds a request waits for its model to load before a 503 "
+                        "with Retry-After")
     EngineConfig.add_cli_args(parser)
+    # EngineConfig's --model takes one path; NAME=PATH forms (repeatable) name the models of a multi-model server.
+    next(a for a in parser._actions if a.dest == "model").__class__ = _ModelFlag
+    parser.set_defaults(named_models=None)
+
+
+class _ModelFlag(argparse.Action):
+    """--model PATH (the one model), or --model NAME=PATH, repeatable (several models)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, value: object,
+                 option_string: str | None = None) -> None:
+        text = str(value)
+        name, sep, path = text.partition("=")
+        if sep and name and path and not Path(text).exists():
+            namespace.named_models = [*(namespace.named_models or []), (name, path)]
+        else:
+            setattr(namespace, self.dest, value)
+
+
+def named_models(pairs: list[tuple[str, str]] | None) -> dict[str, str]:
+    """The --model NAME=PATH pairs as name -> path; ValueError for a name given twice."""
+    models: dict[str, str] = {}
+    for name, path in pairs or []:
+        if name in models:
+            raise ValueError(f"model name {name!r} is given twice (--model {name}=...)")
+        models[name] = path
+    return models
 
 
 def server_reasoning_parser(name: str | None, chat_template: str | None) -> ReasoningFormat | None:
@@ -128,6 +189,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         "api_key": args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
         "tool_call_parser": None if args.tool_call_parser == "none" else args.tool_call_parser,
         "reasoning_parser": None if args.reasoning_parser == "none" else args.reasoning_parser,
+        "models": named_models(args.named_models),
     }
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if f.name not in derived}
     return ServerConfig(**given, **derived)

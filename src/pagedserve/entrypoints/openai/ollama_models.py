@@ -22,8 +22,18 @@ def iso_time(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def _files(path: Path) -> list[Path]:
-    return [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+def file_facts(path: str | Path) -> tuple[int, float, str]:
+    """A model's files' total size, newest modification time and digest (zeros and the
+    path's digest when they cannot be read)."""
+    path = Path(path)
+    try:
+        files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+        stats = [f.stat() for f in files]
+    except OSError:
+        stats = []
+    size = sum(s.st_size for s in stats)
+    modified = max((s.st_mtime for s in stats), default=0.0)
+    return size, modified, hashlib.sha256(f"{path}:{size}:{modified}".encode()).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,11 +54,7 @@ class OllamaModelInfo:
     def of(cls, name: str, engine: LLMEngine, context_length: int, tools: bool, thinking: bool) -> OllamaModelInfo:
         """`tools` / `thinking`: whether the server parses tool calls / splits reasoning."""
         loaded = engine.loaded
-        files = _files(loaded.source.path)
-        stats = [f.stat() for f in files]
-        size = sum(s.st_size for s in stats)
-        modified = max((s.st_mtime for s in stats), default=0.0)
-        digest = hashlib.sha256(f"{loaded.source.path}:{size}:{modified}".encode()).hexdigest()
+        size, modified, digest = file_facts(loaded.source.path)
         config = loaded.config
         arch = config.architecture
         details = {"parent_model": "", "format": "gguf" if loaded.source.kind == "gguf" else "safetensors",

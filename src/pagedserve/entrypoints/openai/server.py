@@ -35,6 +35,7 @@ from ...http.openapi import build_openapi
 from ...http.tool_parsers import TOOL_PARSERS
 from .args import ServerConfig, server_reasoning_parser
 from .metrics import ServerMetrics
+from .multi_model_app import run_multi_model_server
 from .ollama_routes import ollama_routes
 from .protocol import RequestLimits, max_prompt_chars
 from .routes import RouteGroup, ServerParts, dashboard_routes, kv_event_routes, lora_routes, openai_routes, \
@@ -192,6 +193,8 @@ class GracefulServer(uvicorn.Server):
 def run_server(config: ServerConfig) -> int:
     print("pagedserve serve: effective configuration\n" + json.dumps(config.describe(), indent=2, default=str),
           flush=True)
+    if config.multi_model:
+        return run_multi_model_server(config, build_app)
     tenants = Tenants(config.api_keys) if config.api_keys is not None else None  # a bad file stops us before loading
     engine = LLMEngine(config.engine)
     app = build_app(engine, config, tenants)
