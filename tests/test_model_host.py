@@ -78,6 +78,25 @@ def test_a_failed_load_marks_the_model_and_the_others_serve(host):
     asyncio.run(run())
 
 
+def test_a_crashed_engine_marks_its_model_failed(host):
+    async def run() -> None:
+        a = host.resolve("a")
+        await host.acquire(a)
+        host.release(a)
+        a.app.state.engine.on_crash(RuntimeError("boom"))
+        with pytest.raises(APIError) as e:
+            await host.acquire(a)
+        assert e.value.status == 503 and "the engine crashed: RuntimeError: boom" in e.value.message
+        for _ in range(100):  # the stop the crash scheduled
+            if a.lifespan is None and a.state == "failed":
+                break
+            await asyncio.sleep(0.01)
+        assert a.app is None and a.card()["state"] == "failed"
+        await host.acquire(host.resolve("b"))
+
+    asyncio.run(run())
+
+
 def test_sleep_level_1_keeps_the_weights_the_wake_up_reuses(host):
     async def run() -> None:
         a = host.resolve("a")

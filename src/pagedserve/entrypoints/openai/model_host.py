@@ -7,10 +7,11 @@ front (multi_model_app.py) hands each request to the app of the model it names. 
 or unload runs at a time (a lock), so the bound on loaded models is checked against a
 settled set; concurrent first requests for a model await the same load.
 
-States: `unloaded` (never loaded, or unloaded: least recently used, keep_alive run out),
-`loading`, `loaded`, `sleeping` (level 1: the engine and its KV pool freed, the weights
-kept, so waking rebuilds only the engine; level 2: the weights dropped too), `failed` (the load raised; its reason is kept
-and the other models keep serving). A request for a sleeping or unloaded model loads it.
+States: `unloaded` (never loaded, or unloaded: least recently used, keep_alive run
+out), `loading`, `loaded`, `unloading`, `sleeping` (level 1: the engine and its KV pool
+freed, the weights kept, so waking rebuilds only the engine; level 2: the weights
+dropped too), `failed` (the load raised, or the engine crashed; its reason is kept and
+the other models keep serving). A request for a sleeping or unloaded model loads it.
 """
 from __future__ import annotations
 
@@ -152,11 +153,26 @@ class ModelHost:
                     logger.exception("model %s failed to load", model.name)
                     model.state, model.reason = "failed", f"{type(e).__name__}: {e}"
                     return
+                app.state.engine.on_crash = lambda error: self._crashed(model, error)
                 model.app, model.lifespan, model.weights = app, lifespan, None
                 model.state, model.sleep_level, model.expires_at = "loaded", None, None
                 model.loads += 1
         finally:
             model.loading = None
+
+    def _crashed(self, model: HostedModel, error: BaseException) -> None:
+        """The model's engine thread died (its requests already failed): it is failed now;
+        the server and the other models go on."""
+        reason = f"the engine crashed: {type(error).__name__}: {error}"
+        logger.error("model %s: %s", model.name, reason)
+        model.state, model.reason = "failed", reason  # at once: no new request reaches the dead engine
+        asyncio.ensure_future(self._stop_crashed(model))
+
+    async def _stop_crashed(self, model: HostedModel) -> None:
+        async with self._lock:
+            if model.lifespan is not None:
+                await self._stop(model, None)
+            model.state = "failed"
 
     async def _make_room(self) -> None:
         """Unload the least recently used idle model while the bound is reached; 503 when none is idle."""
@@ -205,6 +221,8 @@ class ModelHost:
         logger.info("unloading model %s%s", model.name, f" (sleep level {sleep_level})" if sleep_level else "")
         weights = model.engine.loaded if sleep_level == 1 and model.engine is not None else None
         assert model.lifespan is not None
+        # Not "loaded" while its engine stops: a request arriving now waits for the lock, then loads it again.
+        model.state = "unloading"
         lifespan, model.app, model.lifespan = model.lifespan, None, None
         await lifespan.__aexit__(None, None, None)
         model.weights, model.sleep_level, model.expires_at = weights, sleep_level, None

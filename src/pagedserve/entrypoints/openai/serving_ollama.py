@@ -162,8 +162,8 @@ class OllamaServing(ChatServing):
                                 "(start it with --reasoning-parser)", param="think")
         return req, name
 
-    def _chat_request(self, req: OllamaChatRequest | OllamaGenerateRequest, model: str,
-                      messages: list[dict[str, Any]], extra: dict[str, Any]) -> tuple[ChatCompletionRequest, int | None]:
+    def _chat_request(self, req: OllamaChatRequest | OllamaGenerateRequest, model: str, messages: list[dict[str, Any]],
+                      extra: dict[str, Any]) -> tuple[ChatCompletionRequest, int | None]:
         """The chat request that answers `req`, and its num_ctx."""
         sampling = sampling_options(req.options, self.engine.max_context_len)
         fields = {"model": model, "messages": messages, **sampling.chat_fields, **think_fields(req.think),
