@@ -14,6 +14,7 @@ from pagedserve.engine_config import EngineConfig
 from pagedserve.entrypoints.openai import model_host
 from pagedserve.entrypoints.openai.args import ServerConfig
 from pagedserve.entrypoints.openai.model_host import ModelHost
+from pagedserve.entrypoints.openai.models_config import model_specs
 from pagedserve.http.errors import APIError
 
 
@@ -40,7 +41,7 @@ def host(monkeypatch) -> ModelHost:
     monkeypatch.setattr(model_host, "LLMEngine", _Engine)
     _Engine.built = []
     config = ServerConfig(models={"a": "a", "b": "b", "bad": "bad"}, max_loaded_models=1)
-    return ModelHost(config, dict(config.models), _app)
+    return ModelHost(config, model_specs(config.models, None, None, config.engine), _app)
 
 
 def test_a_model_with_a_request_in_flight_is_never_unloaded(host):
@@ -136,3 +137,28 @@ def test_the_model_flag_takes_a_path_or_repeated_name_path_pairs(tmp_path):
     assert server_config_from_args(parser.parse_args(["serve", "--model", str(odd)])).engine.model == str(odd)
     with pytest.raises(ValueError, match="given twice"):
         server_config_from_args(parser.parse_args(["serve", "--model", "a=/x", "--model", "a=/y"]))
+
+
+def test_a_models_config_gives_aliases_and_engine_options(tmp_path, monkeypatch):
+    monkeypatch.setattr(model_host, "LLMEngine", _Engine)
+    (tmp_path / "dir" / "d").mkdir(parents=True)
+    (tmp_path / "dir" / "d" / "config.json").write_text("{}")
+    (tmp_path / "dir" / "e.gguf").write_bytes(b"")
+    file = tmp_path / "models.yaml"
+    file.write_text("models:\n  c:\n    path: /c\n    aliases: [sea, see]\n    options: {max_model_len: 64}\n")
+    base = EngineConfig(max_model_len=256)
+    specs = model_specs({"a": "/a"}, str(tmp_path / "dir"), str(file), base)
+    assert list(specs) == ["a", "d", "e", "c"] and specs["d"].path == str(tmp_path / "dir" / "d")
+    assert specs["c"].engine_config(base).max_model_len == 64 and specs["a"].engine_config(base).max_model_len == 256
+    host = ModelHost(ServerConfig(models={"a": "/a"}), specs, _app)
+    assert host.resolve("see") is host.resolve("c") and host.resolve("c").card() == {"state": "unloaded",
+                                                                                        "aliases": ["sea", "see"]}
+    for text, message in [("models:\n  c: {path: /c, options: {kv_cache_memory: lots}}\n", "model 'c'.*lots"),
+                          ("models:\n  c: {path: /c, options: {warp: 9}}\n", "model 'c'.*warp"),
+                          ("models:\n  a: {path: /c}\n", "'a' is given twice"),
+                          ("models:\n  c: {path: /c, aliases: [a]}\n", "'a' is given twice"),
+                          ("models:\n  c: {path: /c, size: 3}\n", "unknown keys \\['size'\\]"),
+                          ("models: []\n", "non-empty 'models' mapping")]:
+        file.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            model_specs({"a": "/a"}, None, str(file), base)

@@ -28,11 +28,15 @@ REPLIES = {"a": "Alpha", "b": "Bravo", "c": "Charlie"}
 def models_server(tmp_path_factory, server_logs) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("models")
     flags = []
-    for name, reply in REPLIES.items():
-        folder = write_chain_model(root / name, TEMPLATE, (), [["\n" + reply]])
-        flags += ["--model", f"{name}={folder}"]
-    proc = start_server(server_logs, *flags, "--models-dir", str(_dir_with_broken(root)), "--max-loaded-models", "1",
-                        "--max-model-len", "128")
+    folders = {name: write_chain_model(root / name, TEMPLATE, (), [["\n" + reply]]) for name, reply in REPLIES.items()}
+    for name in ("a", "b"):
+        flags += ["--model", f"{name}={folders[name]}"]
+    # c comes from a models config: an alias and its own context length.
+    config = root / "models.yaml"
+    config.write_text(f"models:\n  c:\n    path: {folders['c']}\n    aliases: [charlie]\n"
+                      "    options: {max_model_len: 64}\n")
+    proc = start_server(server_logs, *flags, "--models-dir", str(_dir_with_broken(root)), "--models-config",
+                        str(config), "--max-loaded-models", "1", "--max-model-len", "128")
     yield proc
     proc.stop()
 
@@ -61,7 +65,7 @@ def _states(http: httpx.Client) -> dict[str, str]:
 
 
 def test_the_request_model_picks_the_engine_and_the_lru_one_is_unloaded(http):
-    assert _states(http) == {"a": "unloaded", "b": "unloaded", "c": "unloaded", "broken": "unloaded"}
+    assert _states(http) == {"a": "unloaded", "b": "unloaded", "broken": "unloaded", "c": "unloaded"}
     for model, loaded in (("a", "a"), ("b", "b"), ("a", "a")):
         r = _chat(http, model)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == REPLIES[model]
@@ -77,9 +81,12 @@ def test_the_request_model_picks_the_engine_and_the_lru_one_is_unloaded(http):
 
 def test_concurrent_first_requests_load_the_model_once(http, models_server):
     with ThreadPoolExecutor(6) as pool:
-        replies = list(pool.map(lambda _: _chat(http, "c"), range(6)))
+        replies = list(pool.map(lambda i: _chat(http, "charlie" if i % 2 else "c"), range(6)))
     assert [r.json()["choices"][0]["message"]["content"] for r in replies] == [REPLIES["c"]] * 6
+    assert {r.json()["model"] for r in replies} == {"c"}
     assert models_server.log().count("loading model c from") == 1
+    [card] = [c for c in http.get("/v1/models").json()["data"] if c["id"] == "c"]
+    assert card["aliases"] == ["charlie"] and card["max_model_len"] == 64  # its own options
 
 
 def test_a_model_that_fails_to_load_is_marked_failed_and_the_others_serve(http):

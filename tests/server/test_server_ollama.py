@@ -93,6 +93,9 @@ def test_raw_generate_skips_the_template(client):
     # "\n\n" is where the model answers; raw, that is the whole prompt the model sees.
     r = client.generate(model="m", prompt="\n\n", raw=True, stream=False)
     assert r.response == ANSWER and r.thinking is None
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate(model="m", prompt="\n\n", raw=True, think="low")
+    assert e.value.status_code == 400 and "raw prompt" in e.value.error
 
 
 def test_tools_come_back_in_ollamas_shape(client):

@@ -43,12 +43,13 @@ class ServerConfig:
     # Several models in one server (docs/multi-model.md): name -> path, and/or a folder of them.
     models: dict[str, str] = field(default_factory=dict)
     models_dir: str | None = None
+    models_config: str | None = None  # a YAML file: per-model engine options and aliases
     max_loaded_models: int | None = None  # None: no bound
     model_load_timeout: float = 120.0  # how long a request waits for its model to load before a 503
 
     @property
     def multi_model(self) -> bool:
-        return bool(self.models) or self.models_dir is not None
+        return bool(self.models) or self.models_dir is not None or self.models_config is not None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -81,7 +82,7 @@ class ServerConfig:
             raise ValueError(f"model_load_timeout must be > 0 seconds, got {self.model_load_timeout}")
         if not self.multi_model:
             if self.max_loaded_models is not None:
-                raise ValueError("max_loaded_models needs several models (--model NAME=PATH or --models-dir)")
+                raise ValueError("max_loaded_models needs several models (--model NAME=PATH, --models-dir or --models-config)")
             return
         clashes = {"model": self.engine.model, "served_model_name": self.served_model_name, "api_keys": self.api_keys}
         for name, value in clashes.items():
@@ -139,6 +140,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--models-dir", default=None, metavar="DIR",
                    help="serve every GGUF file and model folder in DIR, each named by its file or folder stem "
                         "(docs/multi-model.md)")
+    g.add_argument("--models-config", default=None, metavar="FILE",
+                   help="a YAML file of models: each one's path, aliases and engine options (docs/multi-model.md)")
     g.add_argument("--max-loaded-models", type=int, default=None,
                    help="with several models: at most this many loaded, the least recently used idle one "
                         "unloaded to make room (default: no bound)")

@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -32,6 +31,7 @@ from ...engine.llm_engine import LLMEngine
 from ...http.errors import APIError
 from ...model.loader import LoadedModel
 from .args import ServerConfig
+from .models_config import ModelSpec
 
 logger = logging.getLogger("pagedserve.models")
 
@@ -42,8 +42,7 @@ _RETRY_AFTER_S = "2"
 
 @dataclass(eq=False)
 class HostedModel:
-    name: str
-    path: str
+    spec: ModelSpec
     state: str = "unloaded"
     reason: str | None = None  # why the load failed
     sleep_level: int | None = None
@@ -57,45 +56,38 @@ class HostedModel:
     lifespan: AbstractAsyncContextManager | None = None
 
     @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def path(self) -> str:
+        return self.spec.path
+
+    @property
     def engine(self) -> LLMEngine | None:
         return None if self.app is None else self.app.state.engine.engine
 
     def card(self) -> dict[str, Any]:
         """The state /v1/models and /api/tags add to the model's entry."""
-        return {"state": self.state, **({"reason": self.reason} if self.reason else {}),
+        return {"state": self.state, **({"aliases": list(self.spec.aliases)} if self.spec.aliases else {}),
+                **({"reason": self.reason} if self.reason else {}),
                 **({"sleep_level": self.sleep_level} if self.sleep_level else {})}
 
 
-def discover_models(named: dict[str, str], models_dir: str | None) -> dict[str, str]:
-    """name -> path: the --model NAME=PATH ones, then every GGUF file and model folder in
-    `models_dir` by its stem; ValueError for a name given twice or an empty set."""
-    models = dict(named)
-    if models_dir is not None:
-        folder = Path(models_dir)
-        if not folder.is_dir():
-            raise ValueError(f"models_dir {models_dir!r} is not a directory")
-        for entry in sorted(folder.iterdir()):
-            if (entry.is_file() and entry.suffix == ".gguf") or (entry.is_dir() and (entry / "config.json").is_file()):
-                name = entry.stem if entry.is_file() else entry.name
-                if name in models:
-                    raise ValueError(f"model name {name!r} is given twice (--model and --models-dir {models_dir})")
-                models[name] = str(entry)
-    if not models:
-        raise ValueError(f"models_dir {models_dir!r} holds no GGUF file and no model folder")
-    return models
-
-
 class ModelHost:
-    def __init__(self, config: ServerConfig, models: dict[str, str], build_app: BuildApp):
+    def __init__(self, config: ServerConfig, specs: dict[str, ModelSpec], build_app: BuildApp):
         self.config = config
-        self.models = {name: HostedModel(name, path) for name, path in models.items()}
+        self.models = {name: HostedModel(spec) for name, spec in specs.items()}
+        self._aliases = {alias: name for name, spec in specs.items() for alias in spec.aliases}
         self._build_app = build_app
         self._lock = asyncio.Lock()
 
     def resolve(self, name: str | None) -> HostedModel:
-        """The model a request names (the first one when it names none); 404 for another."""
+        """The model a request names (or one of its aliases; the first model when it names
+        none); 404 for another."""
         if name is None:
             return next(iter(self.models.values()))
+        name = self._aliases.get(name, name)
         if name not in self.models:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {list(self.models)}",
                            param="model", code="model_not_found")
@@ -140,10 +132,11 @@ class ModelHost:
                 await self._make_room()
                 model.state = "loading"
                 logger.info("loading model %s from %s", model.name, model.path)
-                # The model's own single-model configuration.
-                config = dataclasses.replace(self.config, served_model_name=[model.name], models={}, models_dir=None,
-                                             max_loaded_models=None,
-                                             engine=dataclasses.replace(self.config.engine, model=model.path))
+                # The model's own single-model configuration; its app answers to its aliases too.
+                config = dataclasses.replace(self.config, served_model_name=[model.name, *model.spec.aliases],
+                                             models={}, models_dir=None,
+                                             models_config=None, max_loaded_models=None,
+                                             engine=model.spec.engine_config(self.config.engine))
                 try:
                     engine = await asyncio.to_thread(LLMEngine, config.engine, model.weights)
                     app = self._build_app(engine, config)

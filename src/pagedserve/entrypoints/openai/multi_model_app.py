@@ -30,7 +30,8 @@ from ...http.errors import OLLAMA_PATH_PREFIX, APIError, install_error_handlers
 from ...http.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from ...http.ollama_bodies import keep_alive_seconds
 from .args import ServerConfig
-from .model_host import BuildApp, HostedModel, ModelHost, discover_models, run_reaper
+from .model_host import BuildApp, HostedModel, ModelHost, run_reaper
+from .models_config import model_specs
 from .ollama_models import file_facts, iso_time
 
 logger = logging.getLogger("pagedserve.server")
@@ -205,7 +206,7 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 def run_multi_model_server(config: ServerConfig, build_app: BuildApp) -> int:
     """Serve config.models / config.models_dir until SIGTERM: in-flight requests get
     --shutdown-timeout seconds, then every loaded model is stopped."""
-    models = discover_models(config.models, config.models_dir)
+    models = model_specs(config.models, config.models_dir, config.models_config, config.engine)
     host = ModelHost(config, models, build_app)
     app: ASGIApp = MultiModelApp(host)
     app = BodyLimitMiddleware(app, limit=config.max_request_body_size)

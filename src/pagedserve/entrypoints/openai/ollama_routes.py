@@ -76,7 +76,9 @@ def _listing_routes(app: FastAPI, parts: ServerParts) -> None:
 
     async def show(request: Request) -> JSONResponse:
         req = parse_body(await request.body(), OllamaShowRequest)
-        return JSONResponse(infos[parts.context.models.resolve(req.model)].show())
+        name = parts.context.models.resolve(req.model)
+        # A LoRA adapter is shown as the model it runs on.
+        return JSONResponse(infos.get(name, infos[parts.context.models.base_names[0]]).show())
 
     async def ps() -> JSONResponse:
         # One engine holds the model for the server's life: it never expires.

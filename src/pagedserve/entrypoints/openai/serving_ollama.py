@@ -146,6 +146,9 @@ class OllamaServing(ChatServing):
         chat, num_ctx = self._chat_request(req, model, [*messages, {"role": "user", "content": req.prompt}], {})
         shape = _Shape(model, False, req.think is not False)
         if req.raw:
+            if isinstance(req.think, str):
+                raise APIError(400, "think levels cap the thinking the chat template opens; a raw prompt has no "
+                                    "template", param="think")
             return await self._reply(request, chat, num_ctx, arrival, shape, req.prompt)
         return await self._reply(request, chat, num_ctx, arrival, shape)
 
