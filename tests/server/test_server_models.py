@@ -1,6 +1,7 @@
 """Several models in one server (docs/multi-model.md): two tiny bigram models that answer
-"Alpha" and "Bravo", a third for the concurrent first load, and a folder that fails to
-load, served with --max-loaded-models 1. A request's `model` picks the engine, a model
+"Alpha" and "Bravo", a third (from a models config, with an alias and its own context
+length) for the concurrent first load, a's model again with task=generate, and a folder
+that fails to load, served with --max-loaded-models 1. A request's `model` picks the engine, a model
 loads on first use (once, however many requests ask at the same time), the least
 recently used idle one is unloaded to make room, a failed model is marked failed while
 the others serve, and vLLM's sleep routes and Ollama's keep_alive move the states."""
@@ -34,7 +35,8 @@ def models_server(tmp_path_factory, server_logs) -> Iterator[ServerProcess]:
     # c comes from a models config: an alias and its own context length.
     config = root / "models.yaml"
     config.write_text(f"models:\n  c:\n    path: {folders['c']}\n    aliases: [charlie]\n"
-                      "    options: {max_model_len: 64}\n")
+                      "    options: {max_model_len: 64}\n"
+                      f"  gen:\n    path: {folders['a']}\n    options: {{task: generate}}\n")
     proc = start_server(server_logs, *flags, "--models-dir", str(_dir_with_broken(root)), "--models-config",
                         str(config), "--max-loaded-models", "1", "--max-model-len", "128")
     yield proc
@@ -65,7 +67,8 @@ def _states(http: httpx.Client) -> dict[str, str]:
 
 
 def test_the_request_model_picks_the_engine_and_the_lru_one_is_unloaded(http):
-    assert _states(http) == {"a": "unloaded", "b": "unloaded", "broken": "unloaded", "c": "unloaded"}
+    assert _states(http) == {"a": "unloaded", "b": "unloaded", "broken": "unloaded", "c": "unloaded",
+                             "gen": "unloaded"}
     for model, loaded in (("a", "a"), ("b", "b"), ("a", "a")):
         r = _chat(http, model)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == REPLIES[model]
@@ -130,3 +133,12 @@ def test_ollama_keep_alive_unloads_or_keeps(http):
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="a", messages=[{"role": "user", "content": "hi"}], keep_alive="soon")
     assert e.value.status_code == 400 and "keep_alive" in e.value.error
+
+
+def test_ollama_embed_needs_an_engine_that_embeds(http):
+    # gen is a's model with its own option task=generate (the models config).
+    r = http.post("/api/embed", json={"model": "gen", "input": "hi"})
+    assert r.status_code == 400 and "task 'generate'" in r.json()["error"]
+    assert ollama.Client(host=str(http.base_url)).chat(model="gen", messages=[{"role": "user", "content": "hi"}]
+                                                       ).message.content == REPLIES["a"]
+    assert len(ollama.Client(host=str(http.base_url)).embed(model="a", input="hi").embeddings) == 1
