@@ -124,6 +124,10 @@ def test_options_set_sampling_and_the_context_window(client):
     # num_ctx is the request's own window: generation stops where it is full.
     windowed = client.chat(model="m", messages=HELLO, options={"num_ctx": short.prompt_eval_count + 3}, stream=False)
     assert windowed.eval_count == 3 and windowed.done_reason == "length"
+    # Ollama's defaults for what this engine does not implement are its own arithmetic: accepted.
+    defaults = {"seed": -1, "tfs_z": 1.0, "typical_p": 1, "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1,
+                "penalize_newline": True, "num_keep": 4, "num_thread": 2, "f16_kv": True, "repeat_last_n": -1}
+    assert client.chat(model="m", messages=HELLO, options=defaults, stream=False).done
     stopped = client.chat(model="m", messages=HELLO, think=False, options={"stop": ["!"]}, stream=False)
     assert stopped.message.content == "Hello"
 
@@ -157,6 +161,8 @@ def test_listing_routes(client, http):
     ({"model": "nope"}, 404, "'nope' does not exist"),
     ({"options": {"mirostat": 2}}, 400, "options.mirostat is not supported"),
     ({"options": {"typical_p": 0.5}}, 400, "options.typical_p is not supported"),
+    ({"options": {"tfs_z": 0.9}}, 400, "(only 1: what this server computes)"),
+    ({"options": {"penalize_newline": False}}, 400, "options.penalize_newline is not supported"),
     ({"options": {"warp_factor": 9}}, 400, "options.warp_factor is not an option"),
     ({"options": {"num_ctx": MAX_MODEL_LEN + 1}}, 400, "options.num_ctx is 513, beyond"),
     ({"options": {"temperature": -1}}, 400, "options.temperature"),

@@ -5,12 +5,13 @@ Ollama's sampling options live under `options` with llama.cpp's names (num_predi
 repeat_penalty, ...). Each becomes the chat field of the same meaning, so the sampling
 parameters are built, bounded and refused by the chat path itself
 (entrypoints/openai/serving_ollama.py). An option that would change the arithmetic and
-that the engine does not implement (mirostat, tfs_z, typical_p, ...) is refused by name;
-load-time options about threads and devices change no result and are accepted (the
-server's own flags decide them).
+that the engine does not implement (mirostat, tfs_z, typical_p, ...) is refused by name
+unless it holds its "off" value; options that change no result here (threads, devices,
+num_keep) are accepted.
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -23,18 +24,21 @@ from .json_body import StrictModel
 
 # Ollama's own num_predict values: -1 generates until the model stops, -2 until the context is full.
 _UNBOUNDED_PREDICT = (-1, -2)
-# Options of the llama.cpp runner whose effect this engine does not implement: refused by name.
+# Options of the llama.cpp runner whose effect this engine does not implement: refused by
+# name unless they hold the value that turns them off (what this engine computes).
 _UNSUPPORTED_OPTIONS = {
-    "tfs_z": "tail-free sampling", "typical_p": "locally typical sampling", "mirostat": "mirostat sampling",
-    "mirostat_tau": "mirostat sampling", "mirostat_eta": "mirostat sampling",
-    "penalize_newline": "a newline-specific penalty", "num_keep": "context shifting (a prompt never slides here)",
-    "f16_kv": "a float16 KV cache (the server's --kv-cache-dtype decides it)",
-    "logits_all": "all-position logits", "vocab_only": "loading only the vocabulary",
-    "embedding_only": "an embedding-only load (the server's --task decides it)",
+    "tfs_z": ("tail-free sampling", (1,)), "typical_p": ("locally typical sampling", (1,)),
+    "mirostat": ("mirostat sampling", (0,)),
+    # The penalties here cover every token, newlines included: penalize_newline true.
+    "penalize_newline": ("a repeat penalty that spares newlines", (True,)),
+    "logits_all": ("all-position logits", (False,)), "vocab_only": ("loading only the vocabulary", (False,)),
+    "embedding_only": ("an embedding-only load (the server's --task decides it)", (False,)),
 }
-# Load-time options about placement and threads: they change no result, the server's flags decide them.
-_PLACEMENT_OPTIONS = frozenset({"numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "use_mmap", "use_mlock",
-                                "num_thread"})
+# Options that change no result here: placement and threads (the server's flags decide them),
+# f16_kv (Ollama ignores it too; --kv-cache-dtype decides), num_keep (a prompt never slides
+# out of the context: one that does not fit is refused), mirostat's tau and eta (mirostat is off).
+_NO_EFFECT_OPTIONS = frozenset({"numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "use_mmap", "use_mlock",
+                                "num_thread", "f16_kv", "num_keep", "mirostat_tau", "mirostat_eta"})
 # Option -> the chat request field of the same meaning.
 _SAMPLING_OPTIONS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
                      "seed": "seed", "stop": "stop", "repeat_penalty": "repetition_penalty",
@@ -128,6 +132,8 @@ def sampling_options(options: dict[str, Any] | None, max_model_len: int) -> Olla
     fields: dict[str, Any] = {}
     num_ctx = None
     for name, value in (options or {}).items():
+        if name == "seed" and value == -1 and not isinstance(value, bool):
+            continue  # Ollama's "a random seed": no seed
         if name in _SAMPLING_OPTIONS:
             fields[_SAMPLING_OPTIONS[name]] = value
         elif name == "num_predict":
@@ -137,10 +143,13 @@ def sampling_options(options: dict[str, Any] | None, max_model_len: int) -> Olla
         elif name == "repeat_last_n":
             _repeat_last_n(value)
         elif name in _UNSUPPORTED_OPTIONS:
-            if value not in (None, 0, False):  # Ollama's "off" values change nothing
-                raise APIError(400, f"options.{name} is not supported: this server does not implement "
-                                    f"{_UNSUPPORTED_OPTIONS[name]}", param=f"options.{name}")
-        elif name not in _PLACEMENT_OPTIONS:
+            what, off = _UNSUPPORTED_OPTIONS[name]
+            # true is not 1 here: a flag and a number are different settings.
+            if value is not None and not any(value == o and isinstance(value, bool) == isinstance(o, bool)
+                                             for o in off):
+                raise APIError(400, f"options.{name} is not supported: this server does not implement {what} "
+                                    f"(only {json.dumps(off[0])}: what this server computes)", param=f"options.{name}")
+        elif name not in _NO_EFFECT_OPTIONS:
             raise APIError(400, f"options.{name} is not an option this server knows", param=f"options.{name}")
     return OllamaSampling(fields, num_ctx)
 
