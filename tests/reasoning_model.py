@@ -39,19 +39,26 @@ HIDDEN = 64
 
 def write_reasoning_model(folder: Path, chat_template: str) -> Path:
     """Write the model (config.json, model.safetensors, tokenizer) into `folder`."""
+    # "\n\n" as one token, as a prompt ending in it encodes it (in "\n\nHello" it would be two).
+    return write_chain_model(folder, chat_template, ("<think>", "</think>"),
+                             [["\n" + REPLY.partition("\n\n")[0], "\n\n", ANSWER]])
+
+
+def write_chain_model(folder: Path, chat_template: str, added: tuple[str, ...], chains: list[list[str]]) -> Path:
+    """A bigram model over SmolLM2's tokenizer with `added` as single tokens: each chain's
+    pieces, encoded, are followed token by token, then EOS (no token may appear twice)."""
     folder.mkdir(parents=True, exist_ok=True)
     load_tokenizer(default_model_path()).with_chat_template(chat_template).save(folder)
     backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
-    backend.add_tokens([AddedToken(marker, normalized=False, special=False) for marker in ("<think>", "</think>")])
+    backend.add_tokens([AddedToken(marker, normalized=False, special=False) for marker in added])
     backend.save(str(folder / "tokenizer.json"))
     tokenizer = load_tokenizer(folder)
     vocab_size = backend.get_vocab_size(with_added_tokens=True)
-    # "\n\n" as one token, as a prompt ending in it encodes it (in "\n\nHello" it would be two).
-    pieces = ["\n" + REPLY.partition("\n\n")[0], "\n\n", ANSWER]
-    chain = [t for piece in pieces for t in tokenizer.encode(piece, add_special_tokens=False)]
-    chain.append(tokenizer.eos_token_id)
-    assert len(set(chain)) == len(chain) <= HIDDEN, "every token of the chain must be its own"
-    save_file(_bigram_weights(chain, vocab_size), folder / "model.safetensors")
+    encoded = [[t for piece in pieces for t in tokenizer.encode(piece, add_special_tokens=False)]
+               + [tokenizer.eos_token_id] for pieces in chains]
+    every = [t for chain in encoded for t in chain[:-1]]
+    assert len(set(every)) == len(every) <= HIDDEN, "every token of the chains must be its own"
+    save_file(_bigram_weights(encoded, vocab_size), folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps({
         "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": vocab_size,
         "hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -62,10 +69,11 @@ def write_reasoning_model(folder: Path, chat_template: str) -> Path:
     return folder
 
 
-def _bigram_weights(chain: list[int], vocab_size: int) -> dict[str, torch.Tensor]:
+def _bigram_weights(chains: list[list[int]], vocab_size: int) -> dict[str, torch.Tensor]:
     embed = torch.zeros(vocab_size, HIDDEN)
     head = torch.zeros(vocab_size, HIDDEN)
-    for i, (token, successor) in enumerate(zip(chain, chain[1:])):
+    pairs = [pair for chain in chains for pair in zip(chain, chain[1:])]
+    for i, (token, successor) in enumerate(pairs):
         embed[token, i] = 1.0
         head[successor, i] = 10.0  # the normed one-hot is 8 there: a logit of 80
     layer = "model.layers.0."

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from pagedserve.http.anthropic_bodies import CountTokensRequest, MessagesRequest
-from pagedserve.http.errors import ANTHROPIC_PATHS
+from pagedserve.http.errors import ANTHROPIC_PATHS, OLLAMA_PATH_PREFIX
 from pagedserve.http.openapi import REQUEST_MODELS
 from pagedserve.http.pooling_bodies import EmbeddingRequest, RerankRequest, ScoreRequest
 from pagedserve.http.openai_bodies import MAX_STOP_STRINGS
@@ -73,7 +73,8 @@ def test_every_route_and_every_request_field_is_documented(document):
 def test_the_document_lists_every_route_the_app_serves(enable_lora):
     """Generated, not hand-kept: every API route of the app (the optional ones included) is
     an operation of its document with a request schema where it takes a body. Only the
-    document itself, its /docs page and the dashboard's static files are outside it."""
+    document itself, its /docs page, the dashboard's static files and Ollama's API (specified
+    by Ollama, read by its client in test_server_ollama.py; docs/ollama.md) are outside it."""
     from fastapi.routing import APIRoute
 
     from pagedserve.engine_config import EngineConfig
@@ -83,7 +84,8 @@ def test_the_document_lists_every_route_the_app_serves(enable_lora):
 
     engine = LLMEngine(EngineConfig(kv_cache_memory="16MiB", max_model_len=256, enable_lora=enable_lora))
     app = build_app(engine, ServerConfig(engine=engine.config))
-    served = {(m.lower(), r.path) for r in app.routes if isinstance(r, APIRoute) for m in r.methods}
+    served = {(m.lower(), r.path) for r in app.routes if isinstance(r, APIRoute) for m in r.methods
+              if not r.path.startswith(OLLAMA_PATH_PREFIX)}
     document = app.openapi()
     documented = {(method, path) for path, ops in document["paths"].items() for method in ops}
     assert documented == served == ROUTES | (LORA_ROUTES if enable_lora else set())

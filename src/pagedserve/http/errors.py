@@ -1,4 +1,4 @@
-"""Errors in OpenAI's shape (Anthropic's on its routes), and the one table of exception
+"""Errors in OpenAI's shape (Anthropic's and Ollama's on their routes), and the one table of exception
 handlers the server and the router both install (each adds the conversions of its own
 exception types)."""
 from __future__ import annotations
@@ -29,6 +29,8 @@ _ERROR_TYPES = {
 # The routes of Anthropic's Messages API: its clients read errors as {"type": "error",
 # "error": {"type", "message"}}, with these types.
 ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+# Ollama's API (entrypoints/openai/ollama_routes.py): its clients read errors as {"error": "..."}.
+OLLAMA_PATH_PREFIX = "/api/"
 _ANTHROPIC_ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
@@ -62,9 +64,16 @@ class APIError(Exception):
         return {"type": "error", "error": {"type": _ANTHROPIC_ERROR_TYPES.get(self.status, default),
                                            "message": self.message}}
 
+    def ollama_body(self) -> dict[str, Any]:
+        """Ollama's shape: the message alone (its clients read `error` as a string)."""
+        return {"error": self.message}
+
     def response(self, path: str = "") -> JSONResponse:
         """The error as an answer to a request for `path` (its shape depends on the API)."""
-        body = self.anthropic_body() if path in ANTHROPIC_PATHS else self.body()
+        if path.startswith(OLLAMA_PATH_PREFIX):
+            body = self.ollama_body()
+        else:
+            body = self.anthropic_body() if path in ANTHROPIC_PATHS else self.body()
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ...engine_config import EngineConfig, parse_memory
 from ...http.bounds import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_HEADER_BYTES
@@ -48,6 +49,16 @@ class ServerConfig:
     max_batch_file_size: int = 200 << 20
     batch_storage_quota: int | None = None  # bytes of files a tenant (or, without tenants, the server) keeps
     batch_concurrency: int = 4  # batch lines in flight at once
+    # Several models in one server (docs/multi-model.md): name -> path, and/or a folder of them.
+    models: dict[str, str] = field(default_factory=dict)
+    models_dir: str | None = None
+    models_config: str | None = None  # a YAML file: per-model engine options and aliases
+    max_loaded_models: int | None = None  # None: no bound
+    model_load_timeout: float = 120.0  # how long a request waits for its model to load before a 503
+
+    @property
+    def multi_model(self) -> bool:
+        return bool(self.models) or self.models_dir is not None or self.models_config is not None
 
     def __post_init__(self) -> None:
         check_mm_limits(self.limit_mm_per_prompt)
@@ -73,6 +84,7 @@ class ServerConfig:
             raise ValueError(f"batch_storage_quota must be >= 1 byte, got {self.batch_storage_quota}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty")
+        self._check_multi_model()
         if self.api_key is not None and self.api_keys is not None:
             raise ValueError(f"--api-key (or {API_KEY_ENV}) and --api-keys do not go together: list the key in the "
                              "keys file under a tenant")
@@ -80,6 +92,21 @@ class ServerConfig:
     def image_policy(self) -> ImagePolicy:
         return ImagePolicy(max_images=self.limit_mm_per_prompt.get("image", DEFAULT_IMAGES_PER_PROMPT),
                            allowed_domains=normalize_domains(self.allowed_media_domains))
+
+    def _check_multi_model(self) -> None:
+        if self.max_loaded_models is not None and self.max_loaded_models < 1:
+            raise ValueError(f"max_loaded_models must be >= 1, got {self.max_loaded_models}")
+        if not self.model_load_timeout > 0:
+            raise ValueError(f"model_load_timeout must be > 0 seconds, got {self.model_load_timeout}")
+        if not self.multi_model:
+            if self.max_loaded_models is not None:
+                raise ValueError("max_loaded_models needs several models (--model NAME=PATH, --models-dir or --models-config)")
+            return
+        clashes = {"model": self.engine.model, "served_model_name": self.served_model_name, "api_keys": self.api_keys}
+        for name, value in clashes.items():
+            if value is not None:
+                raise ValueError(f"{name} does not go with several models (--model NAME=PATH or --models-dir): "
+                                 "each model is served under its own name")
 
     def describe(self) -> dict:
         """The effective configuration, safe to print: the API key is never shown."""
@@ -134,8 +161,45 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
                    help="hosts whose http(s) image URLs the server fetches (default: none, only data: URLs); a "
                         "name resolving to a private or loopback address is refused unless listed as that IP")
+    g.add_argument("--models-dir", default=None, metavar="DIR",
+                   help="serve every GGUF file and model folder in DIR, each named by its file or folder stem "
+                        "(docs/multi-model.md)")
+    g.add_argument("--models-config", default=None, metavar="FILE",
+                   help="a YAML file of models: each one's path, aliases and engine options (docs/multi-model.md)")
+    g.add_argument("--max-loaded-models", type=int, default=None,
+                   help="with several models: at most this many loaded, the least recently used idle one "
+                        "unloaded to make room (default: no bound)")
+    g.add_argument("--model-load-timeout", type=float, default=d.model_load_timeout,
+                   help="with several models: seconds a request waits for its model to load before a 503 "
+                        "with Retry-After")
     _add_batch_args(parser, d)
     EngineConfig.add_cli_args(parser)
+    # EngineConfig's --model takes one path; NAME=PATH forms (repeatable) name the models of a multi-model server.
+    next(a for a in parser._actions if a.dest == "model").__class__ = _ModelFlag
+    parser.set_defaults(named_models=None)
+
+
+class _ModelFlag(argparse.Action):
+    """--model PATH (the one model), or --model NAME=PATH, repeatable (several models)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, value: object,
+                 option_string: str | None = None) -> None:
+        text = str(value)
+        name, sep, path = text.partition("=")
+        if sep and name and path and not Path(text).exists():
+            namespace.named_models = [*(namespace.named_models or []), (name, path)]
+        else:
+            setattr(namespace, self.dest, value)
+
+
+def named_models(pairs: list[tuple[str, str]] | None) -> dict[str, str]:
+    """The --model NAME=PATH pairs as name -> path; ValueError for a name given twice."""
+    models: dict[str, str] = {}
+    for name, path in pairs or []:
+        if name in models:
+            raise ValueError(f"model name {name!r} is given twice (--model {name}=...)")
+        models[name] = path
+    return models
 
 
 def _mm_limits(text: str) -> dict[str, int]:
@@ -175,6 +239,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         "api_key": args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None,
         "tool_call_parser": None if args.tool_call_parser == "none" else args.tool_call_parser,
         "reasoning_parser": None if args.reasoning_parser == "none" else args.reasoning_parser,
+        "models": named_models(args.named_models),
     }
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if f.name not in derived}
     return ServerConfig(**given, **derived)

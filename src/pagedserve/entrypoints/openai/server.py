@@ -36,6 +36,8 @@ from ...http.tool_parsers import TOOL_PARSERS
 from .args import ServerConfig, server_reasoning_parser
 from .batch_routes import batch_routes
 from .metrics import ServerMetrics
+from .multi_model_app import run_multi_model_server
+from .ollama_routes import ollama_routes
 from .protocol import RequestLimits, max_prompt_chars
 from .routes import RouteGroup, ServerParts, dashboard_routes, kv_event_routes, lora_routes, openai_routes, \
     operations_routes, tokenizer_routes
@@ -57,7 +59,7 @@ _ABORTED_RESPONSES_GRACE_S = 5.0
 # In the order their routes appear in /openapi.json; a new group is one more entry.
 ROUTE_GROUPS: tuple[RouteGroup, ...] = (
     openai_routes, messages_routes, pooling_routes, tokenizer_routes, operations_routes, kv_event_routes, lora_routes,
-    dashboard_routes, batch_routes,
+    dashboard_routes, batch_routes, ollama_routes,
 )
 
 
@@ -200,6 +202,8 @@ class GracefulServer(uvicorn.Server):
 def run_server(config: ServerConfig) -> int:
     print("pagedserve serve: effective configuration\n" + json.dumps(config.describe(), indent=2, default=str),
           flush=True)
+    if config.multi_model:
+        return run_multi_model_server(config, build_app)
     tenants = Tenants(config.api_keys) if config.api_keys is not None else None  # a bad file stops us before loading
     engine = LLMEngine(config.engine)
     app = build_app(engine, config, tenants)

@@ -297,11 +297,12 @@ class ChoiceTracker:
 
 
 class SSEResponse(StreamingResponse):
-    """A text/event-stream response that closes its Seat however it ends: done,
-    client gone (Starlette cancels the body) or never started."""
+    """A text/event-stream response (or another streamed `media_type`: Ollama's NDJSON)
+    that closes its Seat however it ends: done, client gone (Starlette cancels the body)
+    or never started."""
 
-    def __init__(self, events: AsyncIterator[str], seat: Seat):
-        super().__init__(events, media_type="text/event-stream",
+    def __init__(self, events: AsyncIterator[str], seat: Seat, media_type: str = "text/event-stream"):
+        super().__init__(events, media_type=media_type,
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._seat = seat
         seat.hand_over()
