@@ -8,10 +8,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
-from transformers.models.idefics3 import Idefics3ImageProcessorPil, Idefics3Processor  # noqa: E402
 
 from model_utils import new_kv_caches, step_metadata  # noqa: E402
+from vision_model import PREFIX, write_vision_model  # noqa: E402
 from pagedserve import SamplingParams  # noqa: E402
 from pagedserve.attention.backend import ReferenceBackend  # noqa: E402
 from pagedserve.engine.llm import LLM  # noqa: E402
@@ -22,45 +21,16 @@ from pagedserve.multimodal.image_tiles import ImageTiling  # noqa: E402
 from pagedserve.multimodal.inputs import ImageInput  # noqa: E402
 
 LOGIT_ATOL = 1e-3  # the text oracle tests' (tests/test_model_reference.py)
-SPECIAL = ["<|endoftext|>", "<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>",
-           *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))]
-PREFIX = "describe the picture in a few words, please. " * 3
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 BLOCK = 16
 BLOCK_BYTES = BLOCK * 2 * 2 * 2 * 16 * 4  # tokens x layers x (K, V) x KV heads x head_dim x fp32
 
 
-def _tokenizer() -> transformers.PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([PREFIX + "\n the quick brown fox jumps over the lazy dog"] * 4, trainer)
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
-                                                additional_special_tokens=SPECIAL[1:])
-
-
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
-    """(folder, transformers' model, its processor): 32-pixel tiles of 4x4 patches, 4 tokens
-    a tile after the pixel shuffle, images resized to a 64-pixel longest edge (up to 2x2 tiles)."""
+    """(folder, transformers' model, its processor)."""
     folder = tmp_path_factory.mktemp("idefics3")
-    fast = _tokenizer()
-    processor = Idefics3Processor(
-        image_processor=Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}),
-        tokenizer=fast, image_seq_len=4)
-    config = transformers.Idefics3Config(
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                           image_size=32, patch_size=8),
-        text_config=dict(model_type="llama", vocab_size=len(fast), hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, rms_norm_eps=1e-6),
-        scale_factor=2, image_token_id=fast.convert_tokens_to_ids("<image>"))
-    torch.manual_seed(0)
-    model = transformers.Idefics3ForConditionalGeneration(config).eval()
-    model.save_pretrained(folder)
-    processor.save_pretrained(folder)
+    model, processor = write_vision_model(folder)
     return folder, model, processor
 
 
