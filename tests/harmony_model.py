@@ -59,7 +59,7 @@ def write_harmony_model(folder: Path, reply: tuple[str | tuple[str, ...], ...]) 
             chain += tokenizer.encode(item, add_special_tokens=False)
     assert len(set(chain)) == len(chain) <= HIDDEN, "every token of the chain must be its own"
     vocab_size = backend.get_vocab_size(with_added_tokens=True)
-    save_file(_bigram_weights(chain, vocab_size), folder / "model.safetensors")
+    save_file(_bigram_weights([chain], vocab_size), folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps({
         "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": vocab_size,
         "hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
