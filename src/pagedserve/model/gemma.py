@@ -61,20 +61,17 @@ class GemmaModel(LlamaModel):
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-        logits_indices: torch.Tensor,
-        lora: LoRABatch | None = None,
-    ) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                      meta: AttentionMetadata, backend: AttentionBackend, lora: LoRABatch | None = None,
+                      inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """LlamaModel's, with the scaled embedding and the local layers' own RoPE; no
+        Gemma here has a vision tower, so image rows (`inputs_embeds`) are refused."""
+        if inputs_embeds is not None:
+            raise ValueError("inputs_embeds: Gemma models here take no images")
         hidden = self.embed(input_ids) * self.embed_scale
         global_cs = self.rotary.cos_sin(positions)
         local_cs = global_cs if self.local_rotary is None else self.local_rotary.cos_sin(positions)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             cos, sin = local_cs if layer.window else global_cs
             hidden = layer(hidden, cos, sin, kv_cache, meta, backend, None if lora is None else (lora, i))
-        return self.logits(hidden.index_select(0, logits_indices))
+        return hidden
