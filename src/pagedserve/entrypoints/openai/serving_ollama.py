@@ -35,6 +35,7 @@ from ...http.ollama_bodies import CHAT_TO_OLLAMA_NAMES, OllamaChatRequest, Ollam
 from ...http.openai_bodies import ChatCompletionRequest
 from ...http.reply import ReplyParser, parse_reply
 from ...http.tool_parsers import ToolCall, ToolCallDelta
+from ...sampling_params import SamplingParams
 from .ollama_models import iso_time
 from .protocol import check_prompt_chars
 from .serving import ChoiceTracker, Seat, SSEResponse, engine_error
@@ -213,7 +214,7 @@ class OllamaServing(ChatServing):
         finally:
             _NUM_CTX.reset(token)
 
-    async def _submit_raw(self, prompt: str, chat: ChatCompletionRequest, params: Any, request_id: str,
+    async def _submit_raw(self, prompt: str, chat: ChatCompletionRequest, params: SamplingParams, request_id: str,
                           arrival: float, seat: Seat) -> Started:
         """Start generating from `prompt` as it is: no template, no reasoning split."""
         def encode() -> list[int]:
