@@ -13,7 +13,6 @@ prompt's markers still encode as the special tokens, which match first).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -23,7 +22,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from pagedserve.model.harmony_template import harmony_chat_template
 from pagedserve.model.registry import default_model_path
 from pagedserve.model.tokenizer import Tokenizer, load_tokenizer
-from reasoning_model import HIDDEN, _bigram_weights
+from reasoning_model import HIDDEN, _bigram_weights, write_bigram_config
 
 SPECIAL_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
 REASONING = "The user greets."
@@ -60,13 +59,7 @@ def write_harmony_model(folder: Path, reply: tuple[str | tuple[str, ...], ...]) 
     assert len(set(chain)) == len(chain) <= HIDDEN, "every token of the chain must be its own"
     vocab_size = backend.get_vocab_size(with_added_tokens=True)
     save_file(_bigram_weights([chain], vocab_size), folder / "model.safetensors")
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": vocab_size,
-        "hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "head_dim": 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "max_position_embeddings": 8192, "tie_word_embeddings": False,
-        "eos_token_id": tokenizer.eos_token_id, "torch_dtype": "float32",
-    }))
+    write_bigram_config(folder, vocab_size, tokenizer.eos_token_id)
     return folder
 
 

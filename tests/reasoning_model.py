@@ -59,14 +59,19 @@ def write_chain_model(folder: Path, chat_template: str, added: tuple[str, ...], 
     every = [t for chain in encoded for t in chain[:-1]]
     assert len(set(every)) == len(every) <= HIDDEN, "every token of the chains must be its own"
     save_file(_bigram_weights(encoded, vocab_size), folder / "model.safetensors")
+    write_bigram_config(folder, vocab_size, tokenizer.eos_token_id)
+    return folder
+
+
+def write_bigram_config(folder: Path, vocab_size: int, eos_token_id: int) -> None:
+    """The config.json of the one-layer Qwen3-shaped bigram model `_bigram_weights` fills."""
     (folder / "config.json").write_text(json.dumps({
         "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": vocab_size,
         "hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
         "num_key_value_heads": 1, "head_dim": 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
         "max_position_embeddings": 8192, "tie_word_embeddings": False,
-        "eos_token_id": tokenizer.eos_token_id, "torch_dtype": "float32",
+        "eos_token_id": eos_token_id, "torch_dtype": "float32",
     }))
-    return folder
 
 
 def _bigram_weights(chains: list[list[int]], vocab_size: int) -> dict[str, torch.Tensor]:
