@@ -61,8 +61,8 @@ def test_iq4_nl_quantiser_picks_the_nearest_book_value():
 # embedding), which makes qkv a matrix of two types; ffn_down (1,536 wide) takes the K-quants
 # in turn (Q6_K, Q4_K, Q3_K, Q2_K, IQ4_XS: as Q4_K_M's "more bits" rule, Q3_K_M, Q2_K and
 # IQ4_XS files do);
-# IQ4_NL for the gate/up pair, and Q5_1 for layer 0's, so every type the kernels take is in
-# the file.
+# IQ4_NL for the gate/up pair, and Q5_1 for layer 0's, so every type the kernels take but
+# MXFP4 (an expert type, whose model files tests/test_mxfp4.py writes) is in the file.
 def q4_k_m_like(name: str, shape: tuple[int, ...], qtype: T) -> T:
     if len(shape) == 1:
         return qtype
